@@ -1,0 +1,1 @@
+"""Speculative proposers served through vLLM's custom_class route."""

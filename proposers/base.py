@@ -1,0 +1,122 @@
+"""The base every proposer of ours derives from.
+
+vLLM builds the class as ``Class(vllm_config)`` and calls ``load_model``; the
+bridge then calls ``step(ctx)`` each engine step instead of vLLM's raw
+``propose``. The base owns what every method shares: options, the draft-length
+controller, per-request lifecycle, and the rule that a proposer error costs a
+draft, never the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from vllm_plugins.options import Option
+from vllm_plugins.step_context import Drafts, StepContext
+
+logger = logging.getLogger("vllm_plugins")
+
+
+class PluginProposer:
+    # Method-specific options: tuple[Option, ...]; see vllm_plugins.options.
+    OPTIONS: tuple[Option, ...] = ()
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 6
+    # How many of the target's top-k per verified position the bridge extracts
+    # (0: the method does not learn from logits).
+    TOPK = 0
+
+    def __init__(self, vllm_config: Any = None, options: dict | None = None):
+        from vllm_plugins.options import resolve
+        from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+
+        spec = getattr(vllm_config, "speculative_config", None)
+        given = options
+        if given is None:
+            given = dict(getattr(spec, PLUGIN_OPTIONS_ATTR, None) or {})
+            given.pop("method", None)
+        self.options = resolve(type(self).__name__, self.OPTIONS, given)
+        self.max_draft = int(getattr(spec, "num_speculative_tokens", None)
+                             or self.DEFAULT_NUM_SPECULATIVE_TOKENS)
+        self.vocab_size = None
+        if vllm_config is not None:
+            self.vocab_size = vllm_config.model_config.get_vocab_size()
+        self.controller = self._make_controller()
+        self.num_errors = 0
+        self._logged_error = False
+        self.model = None
+
+    # ------------------------------------------------------------ vLLM route
+    @classmethod
+    def validate_vllm_fields(cls, fields: dict) -> None:
+        """Checks of vLLM's own SpeculativeConfig keys (e.g. draft bounds)."""
+
+    def load_model(self, target_model: Any) -> None:
+        self.model = target_model
+
+    def propose(self, *args, **kwargs):  # vLLM's raw custom_class call
+        raise RuntimeError(
+            f"{type(self).__name__} needs the vllm_plugins bridge, which is "
+            "installed by the 'vllm.general_plugins' entry point; it did not "
+            "run in this worker (is VLLM_PLUGINS set to exclude 'vllm_plugins'?)"
+        )
+
+    # ------------------------------------------------------------ our route
+    def step(self, ctx: StepContext) -> Drafts:
+        """One engine step: learn, draft, trim. Never raises."""
+        try:
+            for req_id in ctx.finished:
+                self.free(req_id)
+            if self.controller is not None:
+                self.controller.observe(ctx)
+            drafts = self.draft(ctx)
+            if self.controller is not None:
+                keep = self.controller.decide(ctx, drafts)
+                drafts = trim(drafts, keep)
+            return drafts
+        except Exception:  # a proposer bug costs drafts, never the engine
+            self.num_errors += 1
+            if not self._logged_error:
+                self._logged_error = True
+                logger.exception("%s failed; proposing no drafts for this step "
+                                 "(logged once, counted in num_errors)",
+                                 type(self).__name__)
+            return Drafts([[] for _ in ctx.requests])
+
+    def draft(self, ctx: StepContext) -> Drafts:
+        raise NotImplementedError
+
+    def free(self, req_id: str) -> None:
+        """Drop per-request state of a finished or aborted request."""
+
+    def metrics(self) -> dict:
+        out = {"num_errors": self.num_errors}
+        if self.controller is not None and hasattr(self.controller, "stats"):
+            out["draft_length"] = self.controller.stats()
+        return out
+
+    def _make_controller(self):
+        name = self.options["draft_length"]
+        if name == "fixed":
+            return None
+        from vllm_plugins.proposers.controllers import make_controller
+
+        return make_controller(name, self.options.get("draft_length_options") or {},
+                               self.max_draft)
+
+
+def trim(drafts: Drafts, keep: list[int]) -> Drafts:
+    tokens = [t[:k] for t, k in zip(drafts.tokens, keep)]
+    probs = None
+    if drafts.probs is not None:
+        probs = [None if p is None else p[:k] for p, k in zip(drafts.probs, keep)]
+    conf = None
+    if drafts.confidence is not None:
+        conf = [None if c is None else c[:k] for c, k in zip(drafts.confidence, keep)]
+    return Drafts(tokens, probs, conf)
+
+
+def empty_int() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)

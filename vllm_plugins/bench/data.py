@@ -1,0 +1,44 @@
+"""Spec-Bench dev prompts, rendered with the model's chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def spec_bench_path() -> Path:
+    """The dev split: $VLLM_PLUGINS_DATA or ../shared/data beside the repo."""
+    env = os.environ.get("VLLM_PLUGINS_DATA")
+    roots = [Path(env)] if env else []
+    here = Path(__file__).resolve()
+    roots += [p / "shared" / "data" for p in here.parents]
+    for root in roots:
+        f = root / "spec_bench_dev.jsonl"
+        if f.exists():
+            return f
+    raise FileNotFoundError(
+        "spec_bench_dev.jsonl not found; set VLLM_PLUGINS_DATA to its folder")
+
+
+def load_questions(categories: list[str] | None = None,
+                   per_category: int | None = None) -> list[dict]:
+    rows = [json.loads(line) for line in spec_bench_path().open()]
+    out, counts = [], {}
+    for r in rows:
+        cat = r["category"]
+        if categories and cat not in categories:
+            continue
+        if per_category is not None and counts.get(cat, 0) >= per_category:
+            continue
+        counts[cat] = counts.get(cat, 0) + 1
+        out.append(r)
+    return out
+
+
+def render(tokenizer, question: dict) -> list[int]:
+    """First turn as a chat prompt, as token ids."""
+    msgs = [{"role": "user", "content": question["turns"][0]}]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,86 @@
+"""Engines side by side in one process, driven step by step.
+
+Driving ``LLMEngine.step()`` ourselves gives, per request, the number of
+target forwards that produced its tokens, so MAT (output tokens per target
+forward) is exact and the same for every method, vLLM's included.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+METHOD_CONFIGS = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5,
+              "prompt_lookup_max": 5, "prompt_lookup_min": 2},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+    "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 6,
+                        "draft_length": "fixed"},
+    "token_recycling+goodput": {"method": "token_recycling",
+                                "num_speculative_tokens": 6,
+                                "draft_length": "goodput"},
+    "ngram+goodput": {"method": "ngram_adaptive", "num_speculative_tokens": 5,
+                      "draft_length": "goodput"},
+}
+
+
+def suffix_available() -> bool:
+    try:
+        import arctic_inference  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
+                 max_model_len: int = 2048, enforce_eager: bool = True,
+                 seed: int = 0):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(model=model, dtype="float32", max_model_len=max_model_len,
+               max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+               speculative_config=dict(spec) if spec else None, seed=seed,
+               gpu_memory_utilization=0.5, disable_log_stats=False)
+
+
+@dataclass
+class RequestResult:
+    token_ids: list[int]
+    forwards: int
+
+
+def run_batch(llm, prompts: list[list[int]], params, abort_after: dict | None = None
+              ) -> tuple[list[RequestResult], float]:
+    """Generate all prompts at once; returns per-request results and seconds."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    tokens = {r: [] for r in ids}
+    forwards = {r: 0 for r in ids}
+    start = time.perf_counter()
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, {"prompt_token_ids": p}, params)
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            new = out.outputs[0].token_ids if out.outputs else []
+            if new:
+                tokens[out.request_id].extend(new)
+                forwards[out.request_id] += 1
+        steps += 1
+        if abort_after:
+            due = [r for r, s in abort_after.items() if s == steps]
+            if due:
+                engine.abort_request([ids[i] for i in due])
+    seconds = time.perf_counter() - start
+    return [RequestResult(tokens[r], forwards[r]) for r in ids], seconds
+
+
+def engine_stats(llm) -> dict:
+    return llm.llm_engine.collective_rpc("vllm_plugins_stats")[0]

@@ -1,0 +1,275 @@
+"""The only code that touches vLLM's private internals.
+
+Every patch below names the vLLM 0.32 function it relies on; each is pinned by
+tests/test_bridge_pins.py, which fails loudly if vLLM's shape changes.
+
+Data flow inside one worker step (V1 GPUModelRunner, also the CPU runner's base):
+  execute_model   -> we note the step's start time
+  _sample         -> before vLLM samples, we take the target's top-k per row
+                     of the verification logits (grammar masks already applied)
+  propose_draft_token_ids
+                  -> for our proposers we build a StepContext (per request id)
+                     and call proposer.step(ctx) instead of vLLM's raw call;
+                     draft probabilities, when given, go to vLLM's rejection
+                     sampler through the runner's own draft-probs slot.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Idempotent: patches engine-args translation and the model runner."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _patch_engine_args()
+    _patch_model_runner()
+    _patch_worker()
+    _INSTALLED = True
+
+
+def _patch_worker() -> None:
+    # vllm.v1.worker.worker_base.WorkerBase: collective_rpc("name") calls
+    # getattr(worker, name)(); string methods need no insecure pickling.
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    WorkerBase.vllm_plugins_stats = read_stats
+
+
+# --------------------------------------------------------------------- config
+def _patch_engine_args() -> None:
+    # vllm.engine.arg_utils.EngineArgs.create_speculative_config(
+    #     self, target_model_config, target_parallel_config) builds
+    # SpeculativeConfig(**self.speculative_config); it runs after plugins load.
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR, translate
+
+    original = EngineArgs.create_speculative_config
+    if getattr(original, "_vllm_plugins", False):
+        return
+
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        options = None
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config, options = translate(self.speculative_config)
+        config = original(self, *args, **kwargs)
+        if config is not None and options is not None:
+            # SpeculativeConfig forbids unknown fields in __init__, but the
+            # instance has a __dict__, which pickles to the workers with it.
+            object.__setattr__(config, PLUGIN_OPTIONS_ATTR, options)
+        return config
+
+    create_speculative_config._vllm_plugins = True
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+# ---------------------------------------------------------------- model runner
+def _runner_class():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def _is_ours(runner) -> bool:
+    from vllm_plugins.proposers.base import PluginProposer
+
+    return isinstance(getattr(runner, "drafter", None), PluginProposer)
+
+
+def _patch_model_runner() -> None:
+    cls = _runner_class()
+    if getattr(cls, "_vllm_plugins_patched", False):
+        return
+
+    # GPUModelRunner.execute_model(self, scheduler_output, intermediate_tensors=None)
+    original_execute = cls.execute_model
+
+    @functools.wraps(original_execute)
+    def execute_model(self, *args, **kwargs):
+        self._vp_step_start = time.perf_counter()
+        return original_execute(self, *args, **kwargs)
+
+    # GPUModelRunner._sample(self, logits, spec_decode_metadata) -> SamplerOutput
+    original_sample = cls._sample
+
+    @functools.wraps(original_sample)
+    def _sample(self, logits, spec_decode_metadata):
+        if logits is not None and _is_ours(self):
+            _stash_topk(self, logits, spec_decode_metadata)
+        return original_sample(self, logits, spec_decode_metadata)
+
+    # GPUModelRunner.propose_draft_token_ids(self, scheduler_output,
+    #     sampled_token_ids, sampling_metadata, hidden_states,
+    #     sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+    #     common_attn_metadata, slot_mappings) -> list[list[int]]
+    original_propose = cls.propose_draft_token_ids
+
+    @functools.wraps(original_propose)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
+                                sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, *args, **kwargs):
+        _count_step(self, sampled_token_ids, spec_decode_metadata)
+        if not _is_ours(self):
+            return original_propose(
+                self, scheduler_output, sampled_token_ids, sampling_metadata,
+                hidden_states, sample_hidden_states, aux_hidden_states,
+                spec_decode_metadata, *args, **kwargs)
+        return _propose(self, scheduler_output, sampled_token_ids,
+                        spec_decode_metadata)
+
+    cls.execute_model = execute_model
+    cls._sample = _sample
+    cls.propose_draft_token_ids = propose_draft_token_ids
+    cls._vllm_plugins_patched = True
+
+
+def _count_step(runner, sampled_token_ids, spec_decode_metadata) -> None:
+    """Drafted / accepted totals for any drafter, read by the benchmark."""
+    stats = runner.__dict__.setdefault(
+        "_vp_stats", {"steps": 0, "drafted": 0, "accepted": 0, "tokens": 0})
+    stats["steps"] += 1
+    if not isinstance(sampled_token_ids, list):
+        return
+    num_draft = (spec_decode_metadata.num_draft_tokens
+                 if spec_decode_metadata is not None else None)
+    for i, toks in enumerate(sampled_token_ids):
+        stats["tokens"] += len(toks)
+        if num_draft is not None and i < len(num_draft) and toks:
+            stats["drafted"] += num_draft[i]
+            stats["accepted"] += len(toks) - 1
+
+
+def read_stats(worker) -> dict:
+    """collective_rpc target: the runner's counters and our proposer's metrics."""
+    runner = worker.model_runner
+    out = dict(getattr(runner, "_vp_stats", {}))
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and hasattr(drafter, "metrics"):
+        out["proposer"] = drafter.metrics()
+    return out
+
+
+def _stash_topk(runner, logits: torch.Tensor, spec_decode_metadata) -> None:
+    k = runner.drafter.TOPK
+    draft_ids = None
+    if spec_decode_metadata is not None:
+        # SpecDecodeMetadata.num_draft_tokens: list[int] per request in batch
+        # order; logits has num_draft + 1 rows per request in that order.
+        num_draft = list(spec_decode_metadata.num_draft_tokens)
+        draft_ids = spec_decode_metadata.draft_token_ids.cpu().numpy()
+    else:
+        num_draft = [0] * logits.shape[0]
+    ids = lps = None
+    if k > 0:
+        with torch.no_grad():
+            vals, idx = torch.topk(logits.float(), k, dim=-1)
+            lps = (vals - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+        ids = idx.cpu().numpy().astype(np.int64)
+        lps = lps.cpu().numpy()
+    runner._vp_topk = (num_draft, draft_ids, ids, lps)
+
+
+def build_context(runner, scheduler_output, sampled_token_ids) -> StepContext:
+    batch = runner.input_batch
+    req_ids = batch.req_ids
+    topk = getattr(runner, "_vp_topk", None)
+    runner._vp_topk = None
+    if topk is not None and len(topk[0]) != len(req_ids):
+        topk = None  # rows do not line up with this batch: learn nothing
+    num_draft_all = topk[0] if topk else [0] * len(req_ids)
+    draft_ids_flat = topk[1] if topk else None
+    row = 0
+    draft_off = 0
+    requests = []
+    for i, req_id in enumerate(req_ids):
+        accepted = np.asarray(sampled_token_ids[i] if i < len(sampled_token_ids)
+                              else [], dtype=np.int64)
+        n = int(batch.num_tokens_no_spec[i])
+        context = batch.token_ids_cpu[i, :n]
+        num_draft = int(num_draft_all[i])
+        drafts = (draft_ids_flat[draft_off:draft_off + num_draft]
+                  if draft_ids_flat is not None else np.zeros(0, np.int64))
+        draft_off += num_draft
+        base = n - len(accepted)  # tokens before this step's output
+        prev = context[base - 1:base] if base > 0 else np.zeros(0, np.int64)
+        verified = np.concatenate([prev.astype(np.int64), drafts.astype(np.int64)])
+        rows = slice(row, row + num_draft + 1)
+        row += num_draft + 1
+        ids = lps = None
+        if topk is not None and topk[2] is not None and len(accepted) > 0:
+            ids, lps = topk[2][rows], topk[3][rows]
+        state = runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        temperature = float(getattr(params, "temperature", 0.0) or 0.0)
+        requests.append(RequestStep(
+            req_id=req_id,
+            accepted=accepted,
+            context=context,
+            num_prompt_tokens=int(batch.num_prompt_tokens[i]),
+            num_draft=num_draft if len(accepted) > 0 else 0,
+            verified_tokens=verified,
+            topk_ids=ids,
+            topk_logprobs=lps,
+            temperature=temperature,
+            sampling_params=params,
+            group_id=_group_of(req_id, state),
+        ))
+    start = getattr(runner, "_vp_step_start", None)
+    ctx = StepContext(
+        requests=requests,
+        finished=set(scheduler_output.finished_req_ids),
+        max_draft=runner.drafter.max_draft,
+        last_step_seconds=(time.perf_counter() - start) if start else None,
+        last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
+    )
+    return ctx
+
+
+def _group_of(req_id: str, state) -> str:
+    """Samples of one prompt share a group: vLLM names n>1 children 'i_parent'."""
+    head, sep, tail = req_id.partition("_")
+    if sep and head.isdigit() and getattr(getattr(state, "sampling_params", None),
+                                          "n", 1) == 1 and tail:
+        return tail
+    return req_id
+
+
+def _propose(runner, scheduler_output, sampled_token_ids, spec_decode_metadata):
+    ctx = build_context(runner, scheduler_output, sampled_token_ids)
+    drafts: Drafts = runner.drafter.step(ctx)
+    tokens = [list(map(int, t)) for t in drafts.tokens]
+    _set_draft_probs(runner, drafts, ctx)
+    return tokens
+
+
+def _set_draft_probs(runner, drafts: Drafts, ctx: StepContext) -> None:
+    # GPUModelRunner._draft_probs [num_reqs, max_draft, vocab] and
+    # _draft_prob_req_ids: read by _get_spec_decode_draft_probs() next step and
+    # handed to the rejection sampler. Only used when some request has probs.
+    if drafts.probs is None or not any(p is not None and len(p) for p in drafts.probs):
+        return
+    vocab = runner.input_batch.vocab_size
+    out = torch.zeros(len(ctx.requests), ctx.max_draft, vocab, dtype=torch.float32)
+    for i, (p, t) in enumerate(zip(drafts.probs, drafts.tokens)):
+        if p is None:
+            # A deterministic draft: all mass on the drafted token.
+            for j, tok in enumerate(t):
+                out[i, j, int(tok)] = 1.0
+        else:
+            out[i, :len(p)] = torch.from_numpy(np.asarray(p, dtype=np.float32))
+    runner._draft_probs = out.to(runner.device)
+    runner._draft_prob_req_ids = list(runner.input_batch.req_ids)

@@ -1,0 +1,79 @@
+"""Our method names, and the one place that turns them into vLLM's route.
+
+A user writes ``{"method": "token_recycling", ...}``. vLLM 0.32 knows only its
+own method names, plus ``custom_class`` with a dotted class path in ``model``.
+``translate`` rewrites the user's dict into that form and returns our options,
+which the engine-args patch in ``vllm_plugins.bridge`` attaches to the config.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_plugins.options import resolve
+
+PLUGIN_OPTIONS_ATTR = "vllm_plugins_options"
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    class_path: str  # "module.Class" of a PluginProposer subclass
+
+    def proposer_class(self):
+        module, cls = self.class_path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), cls)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("token_recycling",
+               "vllm_plugins.proposers.token_recycling.TokenRecyclingProposer"),
+        Method("ngram_adaptive",
+               "vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer"),
+    )
+}
+BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
+
+
+def register_method(name: str, class_path: str) -> None:
+    """Lets other packages add methods through the same route."""
+    m = Method(name, class_path)
+    METHODS[name] = m
+    BY_CLASS_PATH[class_path] = m
+
+
+def vllm_speculative_fields() -> set[str]:
+    from dataclasses import fields
+
+    from vllm.config import SpeculativeConfig
+
+    return {f.name for f in fields(SpeculativeConfig)}
+
+
+def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(dict for vLLM's SpeculativeConfig, our validated options or None)."""
+    user = {k.replace("-", "_"): v for k, v in user.items()}
+    method_name = user.get("method")
+    method = METHODS.get(method_name) if isinstance(method_name, str) else None
+    if method is None:
+        # The dotted custom_class route to one of our classes: defaults apply.
+        model = user.get("model")
+        method = BY_CLASS_PATH.get(model) if isinstance(model, str) else None
+        if method is None or user.get("method") not in (None, "custom_class"):
+            return user, None
+    vllm_fields = vllm_speculative_fields()
+    ours = {k: v for k, v in user.items() if k not in vllm_fields}
+    rest = {k: v for k, v in user.items() if k in vllm_fields}
+    cls = method.proposer_class()
+    options = resolve(method.name, cls.OPTIONS, ours)
+    options["method"] = method.name
+    if rest.get("num_speculative_tokens") is None:
+        rest["num_speculative_tokens"] = cls.DEFAULT_NUM_SPECULATIVE_TOKENS
+    rest["method"] = "custom_class"
+    rest["model"] = method.class_path
+    cls.validate_vllm_fields(rest)
+    return rest, options

@@ -1,0 +1,87 @@
+"""What a plugin proposer sees of one engine step.
+
+vLLM's ``custom_class`` route hands a proposer raw batch arrays whose rows move
+between steps. Proposers here learn per request and from the target's own
+distribution, so the bridge re-keys everything by request id and adds the
+target's top-k at every verified position. Arrays are numpy views valid only
+during the ``propose`` call; copy what must outlive it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestStep:
+    """One request's slice of a step, in batch order."""
+
+    req_id: str
+    # Tokens emitted this step: accepted drafts plus the one sampled token.
+    # Empty while the request is still in (chunked) prefill.
+    accepted: np.ndarray
+    # Every token of the request so far (prompt + output, accepted included).
+    context: np.ndarray
+    num_prompt_tokens: int
+    # Drafts that were verified this step (0 when none were proposed).
+    num_draft: int
+    # Input token at each verified position: the token before the drafts, then
+    # the drafts themselves. Row j of topk_* is the target's distribution of
+    # the token that follows verified_tokens[j].
+    verified_tokens: np.ndarray
+    # Target top-k at each verified position, shape [num_draft + 1, K], ids
+    # sorted by descending log-probability. None when the bridge has no logits
+    # for this step (e.g. the step only ran a prefill chunk).
+    topk_ids: np.ndarray | None
+    topk_logprobs: np.ndarray | None
+    temperature: float
+    # The request's vLLM SamplingParams (read only).
+    sampling_params: object = None
+    # Position of this request's parent prompt group (n > 1 samples share it).
+    group_id: str = ""
+
+    @property
+    def num_accepted_drafts(self) -> int:
+        return max(len(self.accepted) - 1, 0)
+
+    @property
+    def in_prefill(self) -> bool:
+        return len(self.accepted) == 0
+
+
+@dataclass
+class StepContext:
+    """A whole step: the batch in row order plus lifecycle notices."""
+
+    requests: list[RequestStep]
+    # Requests that finished or were aborted since the previous step.
+    finished: set[str] = field(default_factory=set)
+    # The configured num_speculative_tokens: the longest draft vLLM schedules.
+    max_draft: int = 1
+    # Seconds the engine spent on the previous step (forward + sampling), if known.
+    last_step_seconds: float | None = None
+    # Tokens the previous step scheduled in total (all requests, drafts included).
+    last_step_tokens: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+@dataclass
+class Drafts:
+    """A proposer's answer: one token list per request, in batch order.
+
+    ``probs`` optionally gives, per request, the proposer's probability
+    distribution over the vocabulary at each drafted position
+    (shape [len(tokens), vocab]); vLLM's rejection sampler then keeps sampled
+    output exact for stochastic drafts. ``confidence`` optionally gives the
+    proposer's estimate that each drafted token will be accepted, consumed by
+    draft-length controllers.
+    """
+
+    tokens: list[list[int]]
+    probs: list[np.ndarray | None] | None = None
+    confidence: list[np.ndarray | None] | None = None
