@@ -1,0 +1,1098 @@
+"""Adaptive draft-length controllers that work with every proposer.
+
+A proposer drafts up to ``max_draft`` tokens per request; a controller decides
+how many of them each request keeps this step. The proposer base calls, each
+engine step::
+
+    controller.observe(ctx)            # learn from the step that just ran
+    drafts = proposer.draft(ctx)       # may call controller.max_length(req_id)
+    keep = controller.decide(ctx, drafts)   # list[int], batch order
+
+Policies (``make_controller(name, options, max_draft)``):
+
+``fixed``       keep every draft.
+``acceptance``  per-request acceptance estimates; the smallest k that reaches
+                most of the achievable expected accepted length, 0 when
+                acceptance is near zero (with periodic 1-token probes).
+``confidence``  SpecDec++-style: keep drafting while the calibrated cumulative
+                confidence (estimated P(all kept drafts accepted)) stays above
+                a threshold; history estimates where no confidence is given.
+``goodput``     SmartSpec's rule (default): per step, the k_i (0 included)
+                maximising expected generated tokens / predicted step time, the
+                step time learned online from the engine's own timings.
+
+Pure Python + numpy; no vLLM import. Per-request state lives in rows of
+preallocated numpy arrays (a slot per live request, freed on
+``ctx.finished``); global state is fixed size. See docs/draft_length.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:  # duck-typed at run time; no import cost, no cycle
+    from vllm_plugins.step_context import Drafts, StepContext
+
+DEFAULT_CONTROLLER = "goodput"
+
+_EPS = 1e-3  # position probabilities are clipped to [_EPS, 1 - _EPS]
+
+
+# --------------------------------------------------------------------------
+# options
+# --------------------------------------------------------------------------
+
+class _Opt:
+    """One controller option: default, validator, and its one-line rule."""
+
+    def __init__(self, default: Any, check: Callable[[Any], Any], rule: str):
+        self.default = default
+        self.check = check
+        self.rule = rule
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _num(lo: float | None = None, hi: float | None = None, *, lo_open=False,
+         hi_open=False, integer=False) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if integer:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError
+        elif not _is_number(v):
+            raise TypeError
+        if lo is not None and (v < lo or (lo_open and v == lo)):
+            raise TypeError
+        if hi is not None and (v > hi or (hi_open and v == hi)):
+            raise TypeError
+        return int(v) if integer else float(v)
+    return check
+
+
+def _choice(*choices: Any) -> Callable[[Any], Any]:
+    def check(v: Any) -> Any:
+        if v not in choices:
+            raise TypeError
+        return v
+    return check
+
+
+def _bool(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise TypeError
+    return v
+
+
+# Options every estimating policy (acceptance, confidence, goodput) takes.
+_ESTIMATOR_OPTIONS = {
+    "estimator": _Opt("ewma", _choice("ewma", "window"), "'ewma' or 'window'"),
+    "half_life": _Opt(3.0, _num(0.0, lo_open=True),
+                      "a positive number of verification steps"),
+    "window": _Opt(8, _num(1, 64, integer=True), "an integer in [1, 64]"),
+    "change_threshold": _Opt(4.0, _num(0.0),
+                             "a number >= 0 (nats; 0 disables change detection)"),
+    "prior_acceptance": _Opt(0.6, _num(0.0, 1.0, lo_open=True, hi_open=True),
+                             "in (0, 1)"),
+    "prior_strength": _Opt(2.0, _num(0.0), "a number >= 0"),
+    "probe_interval": _Opt(4, _num(0, integer=True),
+                           "an integer >= 0 (0 disables probing)"),
+    "max_tracked": _Opt(65536, _num(1, integer=True), "a positive integer"),
+}
+_CONFIDENCE_OPTIONS = {
+    "calib_bins": _Opt(10, _num(2, 100, integer=True), "an integer in [2, 100]"),
+    "calib_half_life": _Opt(16.0, _num(0.0, lo_open=True),
+                            "a positive number of verification steps"),
+}
+
+POLICY_OPTIONS: dict[str, dict[str, _Opt]] = {
+    "fixed": {},
+    "acceptance": {
+        **_ESTIMATOR_OPTIONS,
+        "target_fraction": _Opt(0.9, _num(0.0, 1.0, lo_open=True), "in (0, 1]"),
+        "min_prob": _Opt(0.1, _num(0.0, 1.0, hi_open=True), "in [0, 1)"),
+    },
+    "confidence": {
+        **_ESTIMATOR_OPTIONS,
+        **_CONFIDENCE_OPTIONS,
+        "threshold": _Opt(0.3, _num(0.0, 1.0, lo_open=True, hi_open=True),
+                          "in (0, 1)"),
+    },
+    "goodput": {
+        **_ESTIMATOR_OPTIONS,
+        **_CONFIDENCE_OPTIONS,
+        "use_confidence": _Opt(True, _bool, "true or false"),
+        "cost_features": _Opt("tokens+batch", _choice("tokens", "tokens+batch"),
+                              "'tokens' or 'tokens+batch'"),
+        "cost_window": _Opt(256, _num(8, 65536, integer=True),
+                            "an integer in [8, 65536]"),
+        "warmup": _Opt(16, _num(3, integer=True), "an integer >= 3"),
+        "explore": _Opt(0.02, _num(0.0, 1.0), "in [0, 1]"),
+        "warmup_explore": _Opt(0.5, _num(0.0, 1.0), "in [0, 1]"),
+        "prior_token_cost": _Opt(0.001, _num(0.0), "a number >= 0"),
+        "seed": _Opt(0, _num(0, integer=True), "an integer >= 0"),
+    },
+}
+
+
+def controller_names() -> list[str]:
+    return list(POLICY_OPTIONS)
+
+
+def resolve_options(name: str, options: dict | None) -> dict:
+    """Defaults overlaid with validated values; ValueError names the option."""
+    if name not in POLICY_OPTIONS:
+        raise ValueError(f"unknown draft_length policy {name!r}; "
+                         f"choose one of {controller_names()}")
+    specs = POLICY_OPTIONS[name]
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"draft_length options must be a dict, got {options!r}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(specs))
+    if unknown:
+        raise ValueError(
+            f"unknown draft_length option(s) {unknown} for policy {name!r}; "
+            f"known options: {sorted(specs) or 'none'}")
+    out = {k: s.default for k, s in specs.items()}
+    for key, value in options.items():
+        try:
+            out[key] = specs[key].check(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"draft_length option {key!r} of policy {name!r} must "
+                             f"be {specs[key].rule}, got {value!r}") from None
+    return out
+
+
+# --------------------------------------------------------------------------
+# per-request slots
+# --------------------------------------------------------------------------
+
+class RequestSlots:
+    """Maps request ids to rows of per-request numpy arrays.
+
+    Rows are reused: a finished request's row is reset and put on a free list.
+    Capacity doubles when full, so memory follows the peak number of live
+    requests. ``max_tracked`` bounds it even if finish notices are lost: the
+    least recently seen request is evicted (set it above max_num_seqs).
+    """
+
+    def __init__(self, max_tracked: int = 65536, initial: int = 32):
+        self.max_tracked = max_tracked
+        self.capacity = max(1, min(initial, max_tracked))
+        self._ids: dict[str, int] = {}
+        self._owner: dict[int, str] = {}
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self._specs: dict[str, tuple[tuple, Any, Any]] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+        self.evicted = 0
+        self._tick = 0
+        self.add("_seen", (), np.int64, -1)   # last tick a row was looked up
+
+    def add(self, name: str, tail: tuple, dtype: Any, fill: Any) -> None:
+        self._specs[name] = (tail, dtype, fill)
+        self.arrays[name] = np.full((self.capacity, *tail), fill, dtype=dtype)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._ids
+
+    def get(self, req_id: str) -> int | None:
+        return self._ids.get(req_id)
+
+    def slots(self, req_ids: list[str]) -> np.ndarray:
+        """Rows for these requests (created on first sight), marked as seen."""
+        self._tick += 1
+        get = self._ids.get
+        out = [get(rid) for rid in req_ids]
+        if None in out:
+            found = [o for o in out if o is not None]
+            self.arrays["_seen"][found] = self._tick   # protected from eviction
+            for i, rid in enumerate(req_ids):
+                if out[i] is None:
+                    out[i] = self._allocate(rid)
+        rows = np.array(out, dtype=np.int64)
+        self.arrays["_seen"][rows] = self._tick
+        return rows
+
+    def release(self, req_id: str) -> None:
+        slot = self._ids.pop(req_id, None)
+        if slot is not None:
+            del self._owner[slot]
+            self._reset(slot)
+            self._free.append(slot)
+
+    def _allocate(self, req_id: str) -> int:
+        while len(self._ids) >= self.max_tracked:
+            # Lost finish notices: evict the least recently seen request (one
+            # of the current lookup only if the batch alone exceeds the cap).
+            seen = self.arrays["_seen"]
+            live = np.fromiter(self._owner, dtype=np.int64, count=len(self._owner))
+            victim = int(live[np.argmin(seen[live])])
+            self.release(self._owner[victim])
+            self.evicted += 1
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self._reset(slot)
+        self._ids[req_id] = slot
+        self._owner[slot] = req_id
+        self.arrays["_seen"][slot] = self._tick
+        return slot
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = min(max(2 * old, 1), max(self.max_tracked, old + 1))
+        for name, (tail, dtype, fill) in self._specs.items():
+            arr = np.full((new, *tail), fill, dtype=dtype)
+            arr[:old] = self.arrays[name]
+            self.arrays[name] = arr
+        self._free.extend(range(new - 1, old - 1, -1))
+        self.capacity = new
+
+    def _reset(self, slot: int) -> None:
+        for name, (_, _, fill) in self._specs.items():
+            self.arrays[name][slot] = fill
+
+    def nbytes(self) -> int:
+        return int(sum(a.nbytes for a in self.arrays.values()))
+
+
+# --------------------------------------------------------------------------
+# acceptance estimation
+# --------------------------------------------------------------------------
+
+def _outcome_masks(n: np.ndarray, m: np.ndarray, depth: int):
+    """Per draft position j (0-based): observed (j < min(m+1, n)), accepted (j < m).
+
+    Position j's outcome is the conditional acceptance of draft j+1 given drafts
+    1..j were accepted; positions past the first rejection are unobserved.
+    """
+    j = np.arange(depth)
+    obs = j[None, :] < np.minimum(m + 1, n)[:, None]
+    acc = j[None, :] < m[:, None]
+    return obs, acc
+
+
+class AcceptanceEstimator:
+    """Per-request conditional acceptance rate of each draft position.
+
+    ``p[r, j]`` estimates P(draft j+1 accepted | drafts 1..j accepted). From
+    decayed counts S (accepted), N (observed) per position:
+
+        alpha_r  = (sum_j S_rj + 1 * g) / (sum_j N_rj + 1)        pooled rate
+        p_rj     = (S_rj + c * alpha_r) / (N_rj + c)              c = prior_strength
+
+    where ``g`` is a slow, global pooled acceptance rate (prior for a new
+    request, starts at ``prior_acceptance``). So an unexplored position falls
+    back to the request's geometric rate, and a new request to the global one.
+
+    ``ewma``: on every verification step of a request, S <- d*S + accepted and
+    N <- d*N + observed at all positions, d = 2**(-1/half_life). A change
+    detector watches the request's last 3 verification steps: when the
+    Bayes factor of "a new acceptance rate began 2 or 3 steps ago" over "same
+    rate as before" exceeds e**change_threshold, the old counts are replaced
+    by those steps' counts. A request whose acceptance collapses (or jumps) is then re-learned
+    in 2-3 steps instead of several half-lives. ``window``: counts over the
+    request's last ``window`` verification steps (no detector needed).
+    """
+
+    _RECENT = 3                 # verification steps the change detector sees
+    _GLOBAL_HALF_LIFE = 64.0    # steps
+
+    def __init__(self, slots: RequestSlots, max_draft: int, *, estimator: str = "ewma",
+                 half_life: float = 3.0, window: int = 8, change_threshold: float = 4.0,
+                 prior_acceptance: float = 0.6, prior_strength: float = 2.0, **_: Any):
+        self.slots = slots
+        self.depth = max_draft
+        self.mode = estimator
+        self.decay = 0.5 ** (1.0 / half_life)
+        self.window = window
+        self.change_threshold = change_threshold
+        self.prior_acceptance = prior_acceptance
+        self.prior_strength = prior_strength
+        self._gdecay = 0.5 ** (1.0 / self._GLOBAL_HALF_LIFE)
+        self._gs = 0.0
+        self._gn = 0.0
+        self.changes = 0
+        if estimator == "ewma":
+            slots.add("acc_s", (max_draft,), np.float64, 0.0)
+            slots.add("acc_n", (max_draft,), np.float64, 0.0)
+        # recent (n, m) outcomes: the window estimator, or the change detector
+        self.recent = window if estimator == "window" else self._RECENT
+        slots.add("win_n", (self.recent,), np.int16, 0)   # 0 = empty
+        slots.add("win_m", (self.recent,), np.int16, 0)
+        slots.add("win_pos", (), np.int64, 0)
+
+    @property
+    def global_rate(self) -> float:
+        return (self._gs + self.prior_acceptance) / (self._gn + 1.0)
+
+    def _window_counts(self, rows: np.ndarray, weights: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """(accepted, observed) per position over the recent steps, optionally
+        weighted per step ([R, W])."""
+        a = self.slots.arrays
+        n = a["win_n"][rows].astype(np.int64)          # [R, W]
+        m = a["win_m"][rows].astype(np.int64)
+        j = np.arange(self.depth)
+        w = np.ones(n.shape) if weights is None else weights
+        acc = (m[:, :, None] > j) & (n[:, :, None] > 0)
+        seen = np.minimum(m + 1, n)[:, :, None] > j
+        return (acc * w[:, :, None]).sum(1), (seen * w[:, :, None]).sum(1)
+
+    def counts(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Decayed (accepted, observed) counts per position, [R, max_draft] each."""
+        if self.mode == "ewma":
+            a = self.slots.arrays
+            return a["acc_s"][rows], a["acc_n"][rows]
+        return self._window_counts(rows)
+
+    def probs(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), max_draft] conditional acceptance per position."""
+        return self._probs_from(*self.counts(rows))
+
+    def _probs_from(self, s: np.ndarray, n: np.ndarray) -> np.ndarray:
+        alpha = (s.sum(1) + self.global_rate) / (n.sum(1) + 1.0)
+        c = self.prior_strength
+        p = (s + c * alpha[:, None]) / np.maximum(n + c, 1e-12)
+        return np.clip(p, _EPS, 1.0 - _EPS)
+
+    def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
+        """Learn from rows whose drafts were verified (n > 0): m of n accepted."""
+        if len(rows) == 0:
+            return
+        n = np.minimum(n, self.depth)
+        m = np.minimum(m, n)
+        obs, acc = _outcome_masks(n, m, self.depth)
+        self._gs = self._gdecay * self._gs + float(acc.sum())
+        self._gn = self._gdecay * self._gn + float(obs.sum())
+        a = self.slots.arrays
+        pos = a["win_pos"][rows]
+        col = pos % self.recent
+        a["win_n"][rows, col] = n
+        a["win_m"][rows, col] = m
+        a["win_pos"][rows] = pos + 1
+        if self.mode == "window":
+            return
+        d = self.decay
+        a["acc_s"][rows] = d * a["acc_s"][rows] + acc
+        a["acc_n"][rows] = d * a["acc_n"][rows] + obs
+        if self.change_threshold > 0:
+            self._changed(rows)
+
+    def _changed(self, rows: np.ndarray) -> np.ndarray:
+        """Bayes factor of "a new regime began L steps ago" (L = 2..W, W = 3).
+
+        Pooled over positions, the last L steps hold A accepted drafts and F
+        rejections. Under "no change" they follow the Beta posterior of the
+        steps before them; under "new regime" a fresh uniform Beta(1, 1):
+
+            log BF = log B(1+A, 1+F) - [log B(a0+A, b0+F) - log B(a0, b0)]
+
+        a0, b0 = accepted / rejected counts before the window (plus the
+        request prior). Parameter uncertainty is in both, so a short,
+        over-confident history does not raise false alarms. Where the best L
+        clears ``change_threshold``, the counts are replaced by those L steps'.
+        """
+        a = self.slots.arrays
+        n = a["win_n"][rows].astype(np.int64)          # [R, W]
+        m = a["win_m"][rows].astype(np.int64)
+        valid = n > 0
+        # Age of each column (0 = newest). EWMA is linear: the window's share
+        # of S, N is d**age per step, so the reference excludes it exactly.
+        newest = (a["win_pos"][rows] - 1) % self.recent
+        age = (newest[:, None] - np.arange(self.recent)[None, :]) % self.recent
+        rs, rn = self._window_counts(rows, self.decay ** age)
+        s_ref = np.maximum(a["acc_s"][rows].sum(1) - rs.sum(1), 0.0)
+        n_ref = np.maximum(a["acc_n"][rows].sum(1) - rn.sum(1), s_ref)
+        g = self.global_rate
+        a0 = (s_ref + g)[:, None]
+        b0 = (n_ref - s_ref + 1.0 - g)[:, None]
+        acc = np.where(valid, m, 0).astype(np.float64)
+        rej = (valid & (m < n)).astype(np.float64)
+        order = np.argsort(age, axis=1)                 # newest first
+        A = np.cumsum(np.take_along_axis(acc, order, 1), 1)
+        F = np.cumsum(np.take_along_axis(rej, order, 1), 1)
+        steps = np.cumsum(np.take_along_axis(valid, order, 1), 1)
+        log_bf = (_log_beta(1.0 + A, 1.0 + F)
+                  - _log_beta(a0 + A, b0 + F) + _log_beta(a0, b0))
+        log_bf = np.where(steps >= 2, log_bf, -np.inf)
+        log_bf[:, 0] = -np.inf                          # one step is a fluke
+        best = np.argmax(log_bf, axis=1)
+        hit = log_bf[np.arange(len(rows)), best] > self.change_threshold
+        if hit.any():
+            hr = rows[hit]
+            keep = (age[hit] <= best[hit, None]).astype(np.float64)
+            a["acc_s"][hr], a["acc_n"][hr] = self._window_counts(hr, keep)
+            a["win_n"][hr] = 0                          # a fresh detection window
+            self.changes += int(hit.sum())
+        return hit
+
+
+def _lgamma(x: np.ndarray) -> np.ndarray:
+    """log Gamma(x) for x > 0, vectorised (shift by 6, then Stirling; ~1e-10)."""
+    x = np.asarray(x, dtype=np.float64)
+    shift = np.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5))
+    z = x + 6.0
+    inv = 1.0 / z
+    inv2 = inv * inv
+    series = inv * (1 / 12 - inv2 * (1 / 360 - inv2 * (1 / 1260 - inv2 / 1680)))
+    return (z - 0.5) * np.log(z) - z + 0.5 * math.log(2 * math.pi) + series - shift
+
+
+def _log_beta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return _lgamma(a) + _lgamma(b) - _lgamma(a + b)
+
+
+class ConfidenceCalibrator:
+    """Maps a proposer's raw per-token confidence to an acceptance probability.
+
+    Confidences are bucketed (``calib_bins`` equal bins on [0, 1]). Per bucket b
+    the acceptance of tokens whose confidence fell in b is counted, globally
+    (slow decay) and per request (``calib_half_life``), and shrunk:
+
+        g_b(c) = (GS_b + 2 c) / (GN_b + 2)              global; prior = raw c
+        cal(c) = (S_rb + 2 g_b(c)) / (N_rb + 2)         per request
+
+    Outcomes are matched to the confidences of the drafts the controller kept
+    last step (stored at ``decide``).
+    """
+
+    _STRENGTH = 2.0
+    _GLOBAL_HALF_LIFE = 1024.0  # steps
+
+    def __init__(self, slots: RequestSlots, max_draft: int, *, calib_bins: int = 10,
+                 calib_half_life: float = 16.0, **_: Any):
+        self.slots = slots
+        self.depth = max_draft
+        self.bins = calib_bins
+        self.decay = 0.5 ** (1.0 / calib_half_life)
+        self._gdecay = 0.5 ** (1.0 / self._GLOBAL_HALF_LIFE)
+        self.gs = np.zeros(calib_bins)
+        self.gn = np.zeros(calib_bins)
+        slots.add("cal_s", (calib_bins,), np.float64, 0.0)
+        slots.add("cal_n", (calib_bins,), np.float64, 0.0)
+        slots.add("conf_kept", (max_draft,), np.float32, np.nan)
+        slots.add("conf_seen", (), np.bool_, False)
+
+    def _bin(self, c: np.ndarray) -> np.ndarray:
+        return np.clip((np.nan_to_num(c) * self.bins).astype(np.int64), 0, self.bins - 1)
+
+    def remember(self, rows: np.ndarray, conf: np.ndarray | None, keep: np.ndarray) -> None:
+        """Store the raw confidences of the kept drafts (NaN = none given)."""
+        a = self.slots.arrays
+        a["conf_kept"][rows] = np.nan
+        if conf is None:
+            return
+        k = conf.shape[1]
+        kept = np.where(np.arange(k)[None, :] < keep[:, None], conf, np.nan)
+        a["conf_kept"][rows, :k] = kept
+        a["conf_seen"][rows] |= ~np.isnan(conf).all(1)
+
+    def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
+        a = self.slots.arrays
+        conf = a["conf_kept"][rows]
+        a["conf_kept"][rows] = np.nan  # consumed (or stale) either way
+        if len(rows) == 0:
+            return
+        n = np.minimum(n, self.depth)
+        m = np.minimum(m, n)
+        obs, acc = _outcome_masks(n, m, self.depth)
+        obs &= ~np.isnan(conf)
+        if not obs.any():
+            return
+        has = obs.any(1)
+        r_idx, j_idx = np.nonzero(obs)
+        b = self._bin(conf[r_idx, j_idx])
+        x = acc[r_idx, j_idx].astype(np.float64)
+        self.gs *= self._gdecay
+        self.gn *= self._gdecay
+        np.add.at(self.gs, b, x)
+        np.add.at(self.gn, b, 1.0)
+        hr = rows[has]
+        a["cal_s"][hr] *= self.decay
+        a["cal_n"][hr] *= self.decay
+        flat = rows[r_idx] * self.bins + b
+        np.add.at(a["cal_s"].reshape(-1), flat, x)
+        np.add.at(a["cal_n"].reshape(-1), flat, 1.0)
+
+    def calibrate(self, rows: np.ndarray, conf: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities, same shape as ``conf``; NaN stays NaN."""
+        a = self.slots.arrays
+        c = np.clip(conf.astype(np.float64), 0.0, 1.0)
+        b = self._bin(c)
+        k = self._STRENGTH
+        g = (self.gs[b] + k * c) / (self.gn[b] + k)
+        rs = a["cal_s"][rows[:, None], b]
+        rn = a["cal_n"][rows[:, None], b]
+        out = (rs + k * g) / (rn + k)
+        return np.where(np.isnan(conf), np.nan, np.clip(out, _EPS, 1.0 - _EPS))
+
+    def table(self) -> list[float]:
+        mid = (np.arange(self.bins) + 0.5) / self.bins
+        return [round(float(v), 4) for v in (self.gs + self._STRENGTH * mid)
+                / (self.gn + self._STRENGTH)]
+
+
+# --------------------------------------------------------------------------
+# step-time cost model
+# --------------------------------------------------------------------------
+
+class StepCostModel:
+    """Engine step time as a linear function, fitted online.
+
+        t(step) ~= a + b * tokens (+ c * batch),   a, b, c >= 0
+
+    fitted by least squares over the last ``window`` (tokens, batch, seconds)
+    observations (a ring buffer), with one round of outlier rejection
+    (|residual| > 5 robust sigmas) and a non-negativity constraint (the best
+    non-negative subset fit). ``batch`` is dropped when it does not vary
+    independently of ``tokens`` in the window. Before ``warmup`` observations
+    with at least two distinct token counts, the prior is used:
+
+        t ~= 1 + prior_token_cost * tokens     (unitless; nearly flat)
+
+    Only ratios of times matter to the goodput rule, so the prior has no units.
+    Once warm, the fit is refreshed every 4 observations.
+    """
+
+    _REFIT_EVERY = 4
+
+    def __init__(self, *, cost_features: str = "tokens+batch", cost_window: int = 256,
+                 warmup: int = 16, prior_token_cost: float = 0.001, **_: Any):
+        self.use_batch = cost_features == "tokens+batch"
+        self.window = cost_window
+        self.warmup = warmup
+        self.prior_token_cost = prior_token_cost
+        self._x = np.zeros((cost_window, 2))   # tokens, batch
+        self._y = np.zeros(cost_window)
+        self._len = 0
+        self._pos = 0
+        self.num_observed = 0
+        self._dirty = False
+        self._coef = (1.0, prior_token_cost, 0.0)
+        self._warm = False
+        self._rmse = float("nan")
+        self._outliers = 0
+        self._fitted_at = 0
+        self.slope_se = float("inf")   # standard error of b (s/token)
+
+    def observe(self, tokens: float, batch: float, seconds: float) -> None:
+        if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
+            return
+        self._x[self._pos] = (tokens, batch)
+        self._y[self._pos] = seconds
+        self._pos = (self._pos + 1) % self.window
+        self._len = min(self._len + 1, self.window)
+        self.num_observed += 1
+        self._dirty = True
+
+    @property
+    def warm(self) -> bool:
+        self._refit()
+        return self._warm
+
+    def line(self, batch: int) -> tuple[float, float]:
+        """(intercept, slope) of t(tokens) for a step of ``batch`` requests."""
+        self._refit()
+        a, b, c = self._coef
+        return a + c * batch, b
+
+    def predict(self, tokens: float, batch: float) -> float:
+        a, b = self.line(int(batch))
+        return a + b * tokens
+
+    def coefficients(self) -> dict:
+        self._refit()
+        a, b, c = self._coef
+        return {"intercept_s": a, "per_token_s": b, "per_request_s": c,
+                "warm": self._warm, "observations": self.num_observed,
+                "window": self._len,
+                "rmse_s": None if math.isnan(self._rmse) else self._rmse,
+                "outliers_dropped": self._outliers,
+                "per_token_se_s": None if not math.isfinite(self.slope_se)
+                else self.slope_se,
+                "prior": None if self._warm else
+                f"t = 1 + {self.prior_token_cost} * tokens (unitless)"}
+
+    def _refit(self) -> None:
+        if not self._dirty:
+            return
+        if self._warm and self.num_observed - self._fitted_at < self._REFIT_EVERY:
+            return
+        self._dirty = False
+        self._fitted_at = self.num_observed
+        n = self._len
+        if n < self.warmup:
+            return
+        tok, bat, y = self._x[:n, 0], self._x[:n, 1], self._y[:n]
+        if np.ptp(tok) <= 0:
+            return  # one token count: the slope is not identifiable yet
+        cols = [np.ones(n), tok]
+        if self.use_batch and np.ptp(bat) > 0:
+            corr = np.corrcoef(tok, bat)[0, 1]
+            if np.isfinite(corr) and abs(corr) < 0.98:
+                cols.append(bat)
+        x = np.stack(cols, 1)
+        coef = self._nnls(x, y)
+        resid = y - x @ coef
+        mad = np.median(np.abs(resid - np.median(resid)))
+        keep = np.abs(resid) <= 5.0 * 1.4826 * mad + 1e-12 * max(float(y.mean()), 1e-12)
+        self._outliers = int(n - keep.sum())
+        if 0 < self._outliers and keep.sum() >= max(3, x.shape[1] + 1):
+            coef = self._nnls(x[keep], y[keep])
+            resid = y[keep] - x[keep] @ coef
+        self._rmse = float(np.sqrt(np.mean(resid ** 2)))
+        xk = x[keep] if 0 < self._outliers and keep.sum() >= x.shape[1] + 1 else x
+        dof = max(len(xk) - xk.shape[1], 1)
+        try:
+            cov = np.linalg.inv(xk.T @ xk) * float(np.sum(resid ** 2)) / dof
+            self.slope_se = float(np.sqrt(max(cov[1, 1], 0.0)))
+        except np.linalg.LinAlgError:
+            self.slope_se = float("inf")
+        full = np.zeros(3)
+        full[:len(coef)] = coef
+        self._coef = (float(full[0]), float(full[1]), float(full[2]))
+        self._warm = True
+
+    @staticmethod
+    def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Least squares with all coefficients >= 0 (exact for <= 3 columns)."""
+        scale = np.maximum(np.abs(x).max(0), 1e-12)
+        xs = x / scale
+        coef, *_ = np.linalg.lstsq(xs, y, rcond=None)
+        if (coef >= 0).all():
+            return coef / scale
+        p = x.shape[1]
+        best, best_sse = np.zeros(p), float(np.sum(y ** 2))
+        for mask in range(1, 2 ** p):
+            idx = [i for i in range(p) if mask >> i & 1]
+            c, *_ = np.linalg.lstsq(xs[:, idx], y, rcond=None)
+            if (c < 0).any():
+                continue
+            sse = float(np.sum((y - xs[:, idx] @ c) ** 2))
+            if sse < best_sse:
+                best_sse = sse
+                best = np.zeros(p)
+                best[idx] = c
+        return best / scale
+
+
+# --------------------------------------------------------------------------
+# controllers
+# --------------------------------------------------------------------------
+
+class DraftLengthController:
+    """Base: bookkeeping shared by every policy.
+
+    ``observe(ctx)`` once per step before ``decide(ctx, drafts)``; ``decide``
+    returns per request (batch order) how many drafts to keep,
+    0 <= keep[i] <= min(len(drafts.tokens[i]), max_draft).
+    """
+
+    name = "base"
+
+    def __init__(self, max_draft: int, options: dict):
+        self.max_draft = int(max_draft)
+        self.options = options
+        self.slots = RequestSlots(options.get("max_tracked", 65536))
+        self.slots.add("zero_streak", (), np.int64, 0)
+        self.steps = 0
+        self.decisions = 0       # request-steps with at least one draft offered
+        self.zero_choices = 0    # ... of which the controller kept none
+        self.no_draft = 0        # request-steps where the proposer offered none
+        self.probes = 0
+        self.hist = np.zeros(self.max_draft + 1, dtype=np.int64)
+
+    # -------------------------------------------------------------- public
+    def observe(self, ctx: StepContext) -> None:
+        for rid in ctx.finished:
+            self.free(rid)
+        self.steps += 1
+        self._observe(ctx)
+
+    def decide(self, ctx: StepContext, drafts: Drafts) -> list[int]:
+        lengths = np.fromiter((min(len(t), self.max_draft) for t in drafts.tokens),
+                              dtype=np.int64, count=len(drafts.tokens))
+        if len(lengths) == 0:
+            return []
+        keep = self._decide(ctx, drafts, lengths)
+        keep = np.clip(keep, 0, lengths)
+        offered = lengths > 0
+        self.no_draft += int((~offered).sum())
+        self.decisions += int(offered.sum())
+        self.zero_choices += int((offered & (keep == 0)).sum())
+        self.hist += np.bincount(keep[offered], minlength=self.max_draft + 1)
+        return [int(k) for k in keep]
+
+    def max_length(self, req_id: str) -> int:
+        """Upper bound on what ``decide`` will keep for this request this step."""
+        return self.max_draft
+
+    def free(self, req_id: str) -> None:
+        self.slots.release(req_id)
+
+    def stats(self) -> dict:
+        total = int(self.hist.sum())
+        return {
+            "policy": self.name,
+            "steps": self.steps,
+            "decisions": self.decisions,
+            "zero_choices": self.zero_choices,
+            "no_draft": self.no_draft,
+            "probes": self.probes,
+            "k_histogram": [int(v) for v in self.hist],
+            "mean_k": float((self.hist * np.arange(len(self.hist))).sum() / total)
+            if total else 0.0,
+            "tracked_requests": len(self.slots),
+            "evicted_requests": self.slots.evicted,
+            "state_bytes": self.slots.nbytes(),
+        }
+
+    # ----------------------------------------------------------- for policies
+    def _observe(self, ctx: StepContext) -> None:
+        pass
+
+    def _decide(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
+        return lengths
+
+
+class FixedController(DraftLengthController):
+    """Keep every draft."""
+
+    name = "fixed"
+
+
+class _EstimatingController(DraftLengthController):
+    """Shared by acceptance / confidence / goodput: estimates, probing, confidence."""
+
+    uses_confidence = False
+
+    def __init__(self, max_draft: int, options: dict):
+        super().__init__(max_draft, options)
+        self.estimator = AcceptanceEstimator(self.slots, max_draft, **options)
+        self.calibrator = (ConfidenceCalibrator(self.slots, max_draft, **options)
+                           if self.uses_confidence else None)
+        self.probe_interval = options["probe_interval"]
+        self.slots.add("probe_level", (), np.int64, 0)   # failed probes in a row
+        self.slots.add("probing", (), np.bool_, False)
+        self._probe_scale = 1     # goodput stretches probing where drafts are dear
+        self._batch_hint = 1
+
+    def _observe(self, ctx: StepContext) -> None:
+        reqs = ctx.requests
+        self._batch_hint = max(1, len(reqs))
+        if not reqs:
+            return
+        rows = self.slots.slots([r.req_id for r in reqs])
+        self._rows_for = (ctx, rows)   # decide() on the same ctx reuses them
+        emitted = np.array([len(r.accepted) for r in reqs], dtype=np.int64)
+        n = np.array([r.num_draft for r in reqs], dtype=np.int64)
+        n = np.where(emitted > 0, n, 0)
+        m = np.minimum(np.maximum(emitted - 1, 0), n)
+        verified = n > 0
+        self.estimator.observe(rows[verified], n[verified], m[verified])
+        a = self.slots.arrays
+        probed = a["probing"][rows] & verified
+        if probed.any():
+            pr = rows[probed]
+            a["probe_level"][pr] = np.where(m[probed] > 0, 0, a["probe_level"][pr] + 1)
+        a["probing"][rows] = False
+        if self.calibrator is not None:
+            self.calibrator.observe(rows, n, m)
+
+    def _confidence_matrix(self, drafts: Drafts, width: int) -> np.ndarray | None:
+        if not self.uses_confidence or drafts.confidence is None:
+            return None
+        confs = drafts.confidence
+        if width == 0 or all(c is None for c in confs):
+            return None
+        try:  # common case: every row has >= width confidences
+            out = np.array([c[:width] for c in confs], dtype=np.float64)
+            if out.shape == (len(confs), width):
+                return out
+        except (TypeError, ValueError):
+            pass
+        out = np.full((len(confs), width), np.nan)
+        for i, c in enumerate(confs):
+            if c is not None:
+                c = np.asarray(c, dtype=np.float64).reshape(-1)[:width]
+                out[i, :len(c)] = c
+        return out
+
+    def _position_probs(self, rows: np.ndarray, drafts: Drafts,
+                        width: int) -> tuple[np.ndarray, np.ndarray | None]:
+        p = self.estimator.probs(rows)[:, :width]
+        conf = self._confidence_matrix(drafts, width)
+        if conf is not None:
+            cal = self.calibrator.calibrate(rows, conf)
+            p = np.where(np.isnan(cal), p, cal)
+        return p, conf
+
+    def _decide(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
+        if len(ctx.requests) != len(lengths):
+            raise ValueError(f"drafts has {len(lengths)} rows for a batch of "
+                             f"{len(ctx.requests)} requests")
+        cached = getattr(self, "_rows_for", None)
+        if cached is not None and cached[0] is ctx:
+            rows = cached[1]
+        else:
+            rows = self.slots.slots([r.req_id for r in ctx.requests])
+        self._rows_for = None
+        width = int(lengths.max())
+        p, conf = self._position_probs(rows, drafts, width)
+        q = np.cumprod(p, axis=1)   # prefix probabilities: P(drafts 1..j accepted)
+        valid = np.arange(width)[None, :] < lengths[:, None]
+        keep = self._choose(rows, lengths, q, valid, ctx)
+        keep = self._probe(rows, lengths, keep)
+        keep = np.minimum(keep, lengths)
+        if self.calibrator is not None:
+            self.calibrator.remember(rows, conf, keep)
+        return keep
+
+    _MAX_BACKOFF = 1  # a failed probe doubles the probe interval (once)
+
+    def _probe_gap(self, rows: np.ndarray) -> np.ndarray:
+        level = np.minimum(self.slots.arrays["probe_level"][rows], self._MAX_BACKOFF)
+        return (self.probe_interval * self._probe_scale) << level
+
+    def _probe(self, rows: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """After probe_interval consecutive zeros keep one token, to re-learn.
+
+        A failed probe doubles the interval (once: up to 2x); an accepted probe,
+        or a non-zero choice, resets it.
+        """
+        a = self.slots.arrays
+        zs = a["zero_streak"]
+        offered = lengths > 0
+        zero = offered & (keep == 0)
+        a["probe_level"][rows[offered & (keep > 0)]] = 0
+        if self.probe_interval > 0 and self._probe_scale > 0:
+            due = zero & (zs[rows] >= self._probe_gap(rows))
+            if due.any():
+                keep = keep.copy()
+                keep[due] = 1
+                a["probing"][rows[due]] = True
+                self.probes += int(due.sum())
+                zero = zero & ~due
+        zs[rows] = np.where(zero, zs[rows] + 1, np.where(offered, 0, zs[rows]))
+        return keep
+
+    def _probe_due(self, slot: int) -> bool:
+        if self.probe_interval <= 0 or self._probe_scale <= 0:
+            return False
+        gap = int(self._probe_gap(np.array([slot]))[0])
+        return bool(self.slots.arrays["zero_streak"][slot] >= gap)
+
+    def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
+        raise NotImplementedError
+
+    def _history_bound(self, slot: int, threshold: float) -> int:
+        q = np.cumprod(self.estimator.probs(np.array([slot]))[0])
+        return int((q > threshold).sum())
+
+    def max_length(self, req_id: str) -> int:
+        slot = self.slots.get(req_id)
+        if slot is None:
+            return self.max_draft
+        if self.calibrator is not None and self.slots.arrays["conf_seen"][slot]:
+            return self.max_draft  # confidences only arrive with the drafts
+        bound = self._length_bound(slot)
+        if self._probe_due(slot):
+            bound = max(bound, 1)
+        return int(min(max(bound, 0), self.max_draft))
+
+    def _length_bound(self, slot: int) -> int:
+        return self.max_draft
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["acceptance_global"] = round(self.estimator.global_rate, 4)
+        out["changes_detected"] = self.estimator.changes
+        if self.calibrator is not None:
+            out["calibration_global"] = self.calibrator.table()
+        return out
+
+
+class AcceptanceController(_EstimatingController):
+    """Smallest k reaching ``target_fraction`` of the achievable expected
+    accepted length, never keeping a token whose prefix acceptance probability
+    is below ``min_prob``."""
+
+    name = "acceptance"
+
+    def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
+        qv = np.where(valid, q, 0.0)
+        expected = np.cumsum(qv, axis=1)                       # E[A(k)], k = 1..K
+        total = expected[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+        total = np.where(lengths > 0, total, 0.0)
+        goal = self.options["target_fraction"] * total
+        reached = valid & (expected >= goal[:, None] - 1e-12)
+        k_frac = np.where(reached.any(1), reached.argmax(1) + 1, lengths)
+        k_prob = (valid & (q >= self.options["min_prob"])).sum(1)
+        return np.minimum(k_frac, k_prob)
+
+    def _length_bound(self, slot: int) -> int:
+        return self._history_bound(slot, self.options["min_prob"] - 1e-12)
+
+
+class ConfidenceController(_EstimatingController):
+    """Keep drafting while P(all kept drafts accepted) >= ``threshold``."""
+
+    name = "confidence"
+    uses_confidence = True
+
+    def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
+        return (valid & (q >= self.options["threshold"])).sum(1)
+
+    def _length_bound(self, slot: int) -> int:
+        return self._history_bound(slot, self.options["threshold"] - 1e-12)
+
+
+def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
+                       slope: float) -> tuple[np.ndarray, float, float]:
+    """Per-row k maximising (B + sum_i sum_{j<k_i} q_ij) / (intercept + slope * N).
+
+    ``q[i, j]``: probability that drafts 1..j+1 of row i are all accepted
+    (non-increasing in j); ``valid`` marks offered drafts; N = sum_i (1 + k_i)
+    is the step's token count and B the number of rows. Greedy marginal
+    allocation, exact here: candidates sorted by q (ties: earlier position
+    first, so each row keeps a prefix), then the best count M of them.
+    Returns (k per row, expected goodput, expected generated tokens).
+    """
+    batch = q.shape[0]
+    r_idx, j_idx = np.nonzero(valid)
+    gain = q[r_idx, j_idx]
+    order = np.lexsort((j_idx, -gain))   # by gain desc, then position asc
+    cum = np.concatenate([[0.0], np.cumsum(gain[order])])
+    m = np.arange(len(cum))
+    goodput = (batch + cum) / np.maximum(intercept + slope * (batch + m), 1e-300)
+    best = int(np.argmax(goodput))
+    keep = np.bincount(r_idx[order[:best]], minlength=batch).astype(np.int64)
+    return keep, float(goodput[best]), float(batch + cum[best])
+
+
+class GoodputController(_EstimatingController):
+    """SmartSpec: maximise (sum_i E[1 + accepted_i(k_i)]) / t(batch, sum_i (1 + k_i)).
+
+    With t linear in tokens and prefix probabilities non-increasing in j, the
+    greedy marginal allocation is exact: sort all candidate tokens by prefix
+    probability q_ij, and take the best prefix M of that order maximising
+    (B + sum of top M) / (a' + b (B + M)).
+    """
+
+    name = "goodput"
+
+    def __init__(self, max_draft: int, options: dict):
+        self.uses_confidence = bool(options["use_confidence"])
+        super().__init__(max_draft, options)
+        self.cost = StepCostModel(**options)
+        self.rng = np.random.default_rng(options["seed"])
+        self._explore_cap: int | None = None
+        self.explore_steps = 0
+        self.last_expected_goodput = float("nan")
+        self.last_expected_tokens = float("nan")
+
+    def _observe(self, ctx: StepContext) -> None:
+        super()._observe(ctx)
+        if ctx.last_step_seconds is not None and ctx.requests:
+            tokens = ctx.last_step_tokens or sum(
+                (r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+            batch = getattr(ctx, "last_step_batch_size", None) or len(ctx.requests)
+            self.cost.observe(float(tokens), float(batch), float(ctx.last_step_seconds))
+        # Decide exploration now, so max_length() can see it during drafting.
+        # Once warm, explore only while the slope's standard error moves
+        # tau = b * goodput (the prefix probability a draft must beat) by more
+        # than _TAU_TOLERANCE.
+        if not self.cost.warm:
+            rate = self.options["warmup_explore"]
+        elif self.cost.slope_se * self._goodput_scale() > self._TAU_TOLERANCE:
+            rate = self.options["explore"]
+        else:
+            rate = 0.0
+        self._explore_cap = None
+        if rate > 0 and self.rng.random() < rate:
+            self._explore_cap = int(self.rng.integers(0, self.max_draft + 1))
+
+    _TAU_TOLERANCE = 0.02
+
+    def _goodput_scale(self) -> float:
+        """Tokens per second of the last decision (or of no drafting at all)."""
+        g = self.last_expected_goodput
+        if math.isfinite(g):
+            return g
+        a, b = self.cost.line(self._batch_hint)
+        return self._batch_hint / max(a + b * self._batch_hint, 1e-12)
+
+    def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
+        batch = len(lengths)
+        if self._explore_cap is not None:
+            self.explore_steps += 1
+            cap, self._explore_cap = self._explore_cap, None
+            return np.minimum(lengths, cap)
+        a, b = self.cost.line(batch)
+        keep, goodput, tokens = goodput_allocation(q, valid, a, b)
+        self.last_expected_goodput = goodput
+        self.last_expected_tokens = tokens
+        # A draft is worth its cost when its prefix probability exceeds
+        # tau = b * goodput. Probing pays off only if acceptance can beat tau:
+        # never when tau >= 1; the closer tau is to 1, the rarer.
+        tau = b * goodput
+        self._probe_scale = 0 if tau >= 1.0 else int(min(8, max(1, round(1 / (1 - tau)))))
+        return keep
+
+    def max_length(self, req_id: str) -> int:
+        if self._explore_cap is not None:
+            return self.max_draft
+        return super().max_length(req_id)
+
+    def _length_bound(self, slot: int) -> int:
+        # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
+        # a bound from history at (half) the last batch size.
+        batch = max(1, self._batch_hint // 2)
+        a, b = self.cost.line(batch)
+        g0 = batch / max(a + b * batch, 1e-12)
+        return self._history_bound(slot, b * g0)
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["explore_steps"] = self.explore_steps
+        out["cost_model"] = self.cost.coefficients()
+        g = self.last_expected_goodput
+        out["last_expected_goodput"] = None if math.isnan(g) else g
+        return out
+
+
+CONTROLLERS: dict[str, type[DraftLengthController]] = {
+    "fixed": FixedController,
+    "acceptance": AcceptanceController,
+    "confidence": ConfidenceController,
+    "goodput": GoodputController,
+}
+
+
+def make_controller(name: str | None, options: dict | None, max_draft: int
+                    ) -> DraftLengthController:
+    """Build a controller; a bad name, option or value raises ValueError naming it."""
+    name = DEFAULT_CONTROLLER if name is None else name
+    if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
+        raise ValueError(f"max_draft must be a positive integer, got {max_draft!r}")
+    resolved = resolve_options(name, options)
+    return CONTROLLERS[name](max_draft, resolved)
+
+
+def controller_from_config(value: str | dict | None, max_draft: int) -> DraftLengthController:
+    """``"goodput"`` or ``{"policy": "goodput", "half_life": 2}`` or None (default)."""
+    if value is None or isinstance(value, str):
+        return make_controller(value, {}, max_draft)
+    if isinstance(value, dict):
+        opts = dict(value)
+        name = opts.pop("policy", None)
+        return make_controller(name, opts, max_draft)
+    raise ValueError(f"draft_length must be a policy name or a dict, got {value!r}")
