@@ -34,6 +34,7 @@ METHODS: dict[str, Method] = {
                "vllm_plugins.proposers.token_recycling.TokenRecyclingProposer"),
         Method("ngram_adaptive",
                "vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer"),
+        Method("stand", "vllm_plugins.proposers.stand.StandProposer"),
     )
 }
 BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
@@ -65,11 +66,18 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
         method = BY_CLASS_PATH.get(model) if isinstance(model, str) else None
         if method is None or user.get("method") not in (None, "custom_class"):
             return user, None
-    vllm_fields = vllm_speculative_fields()
-    ours = {k: v for k, v in user.items() if k not in vllm_fields}
-    rest = {k: v for k, v in user.items() if k in vllm_fields}
     cls = method.proposer_class()
+    declared = {o.name for o in cls.OPTIONS}
+    vllm_fields = vllm_speculative_fields()
+    # A declared option wins over a vLLM field of the same name.
+    ours = {k: v for k, v in user.items() if k not in vllm_fields or k in declared}
+    rest = {k: v for k, v in user.items() if k not in ours}
     options = resolve(method.name, cls.OPTIONS, ours)
+    if options["draft_length"] != "fixed":
+        # Validated here, before any model loads; the worker builds it again.
+        from vllm_plugins.proposers.controllers import resolve_options
+
+        resolve_options(options["draft_length"], options["draft_length_options"])
     options["method"] = method.name
     if rest.get("num_speculative_tokens") is None:
         rest["num_speculative_tokens"] = cls.DEFAULT_NUM_SPECULATIVE_TOKENS

@@ -36,14 +36,15 @@ def suffix_available() -> bool:
 
 def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
                  max_model_len: int = 2048, enforce_eager: bool = True,
-                 seed: int = 0):
+                 seed: int = 0, kv_cache_mib: int = 512):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     return LLM(model=model, dtype="float32", max_model_len=max_model_len,
                max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
                speculative_config=dict(spec) if spec else None, seed=seed,
-               gpu_memory_utilization=0.5, disable_log_stats=False)
+               kv_cache_memory_bytes=kv_cache_mib * 2**20,
+               disable_log_stats=False)
 
 
 @dataclass

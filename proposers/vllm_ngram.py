@@ -1,0 +1,54 @@
+"""vLLM's own n-gram (prompt lookup) drafting under our draft-length controller.
+
+The lookup is vLLM's numba function, unchanged; what this adds is the
+per-request length decision (``draft_length``), so vLLM's built-in method can
+be compared with and without it. Use ``{"method": "ngram_adaptive",
+"prompt_lookup_min": 2, "prompt_lookup_max": 5, "draft_length": "goodput"}``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_plugins.options import positive_int
+from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.step_context import Drafts, StepContext
+
+
+class AdaptiveNgramProposer(PluginProposer):
+    OPTIONS = (
+        positive_int("prompt_lookup_min", 2),
+        positive_int("prompt_lookup_max", 5),
+    )
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+    def __init__(self, vllm_config=None, options: dict | None = None):
+        super().__init__(vllm_config, options)
+        lo, hi = self.options["prompt_lookup_min"], self.options["prompt_lookup_max"]
+        if lo > hi:
+            raise ValueError(f"ngram_adaptive option prompt_lookup_min={lo} must be "
+                             f"<= prompt_lookup_max={hi}")
+        # vllm.v1.spec_decode.ngram_proposer._find_longest_matched_ngram_and_propose_tokens
+        # (origin_tokens, min_ngram, max_ngram, max_model_len, k) -> np.ndarray
+        from vllm.v1.spec_decode.ngram_proposer import (
+            _find_longest_matched_ngram_and_propose_tokens as lookup)
+
+        self._lookup = lookup
+
+    def draft(self, ctx: StepContext) -> Drafts:
+        lo, hi = self.options["prompt_lookup_min"], self.options["prompt_lookup_max"]
+        out = []
+        for r in ctx.requests:
+            if r.in_prefill:
+                out.append([])
+                continue
+            k = ctx.max_draft
+            if self.controller is not None and hasattr(self.controller, "max_length"):
+                k = min(k, self.controller.max_length(r.req_id))
+            if k <= 0:
+                out.append([])
+                continue
+            tokens = np.ascontiguousarray(r.context, dtype=np.int32)
+            found = self._lookup(tokens, lo, hi, len(tokens) + k, k)
+            out.append([int(t) for t in found])
+        return Drafts(out)

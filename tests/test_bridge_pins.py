@@ -1,0 +1,135 @@
+"""Pins every vLLM internal the bridge relies on; fails loudly when vLLM moves."""
+
+import inspect
+import pickle
+
+import pytest
+
+
+def params(fn):
+    return list(inspect.signature(fn).parameters)
+
+
+def test_runner_methods_keep_their_signatures():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert params(GPUModelRunner._sample) == ["self", "logits", "spec_decode_metadata"]
+    assert params(GPUModelRunner.propose_draft_token_ids)[:10] == [
+        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata",
+        "hidden_states", "sample_hidden_states", "aux_hidden_states",
+        "spec_decode_metadata", "common_attn_metadata", "slot_mappings"]
+    assert params(GPUModelRunner.execute_model)[:2] == ["self", "scheduler_output"]
+
+
+def test_runner_reads_draft_probs_from_its_slot():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner._get_spec_decode_draft_probs)
+    assert "self._draft_probs[row_idx, :num_draft]" in src
+    assert "self._draft_prob_req_ids" in src
+    assert "_get_spec_decode_draft_probs(spec_decode_metadata)" in inspect.getsource(
+        GPUModelRunner._sample)
+
+
+def test_runner_calls_drafter_after_bookkeeping_with_valid_tokens():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    src = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert "propose_draft_token_ids(valid_sampled_token_ids)" in src
+    # num_tokens_no_spec already counts this step's tokens when we draft.
+    book = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "self.input_batch.num_tokens_no_spec[req_idx] = end_idx" in book
+
+
+def test_cpu_runner_is_the_v1_runner():
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert issubclass(CPUModelRunner, GPUModelRunner)
+
+
+def test_spec_decode_metadata_fields():
+    import dataclasses
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    names = {f.name for f in dataclasses.fields(SpecDecodeMetadata)}
+    assert {"draft_token_ids", "num_draft_tokens"} <= names
+
+
+def test_input_batch_and_scheduler_output_fields():
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    src = inspect.getsource(InputBatch.__init__)
+    for attr in ("self.token_ids_cpu", "self.num_tokens_no_spec",
+                 "self.num_prompt_tokens", "self._req_ids", "self.vocab_size"):
+        assert attr in src, attr
+    names = {f.name for f in dataclasses.fields(SchedulerOutput)}
+    assert {"finished_req_ids", "total_num_scheduled_tokens"} <= names
+
+
+def test_engine_args_builds_speculative_config_after_plugins():
+    from vllm.engine.arg_utils import EngineArgs
+
+    src = inspect.getsource(EngineArgs.create_speculative_config.__wrapped__
+                            if hasattr(EngineArgs.create_speculative_config,
+                                       "__wrapped__")
+                            else EngineArgs.create_speculative_config)
+    assert "SpeculativeConfig(**self.speculative_config)" in src
+    assert "load_general_plugins()" in inspect.getsource(EngineArgs.__post_init__)
+
+
+def test_custom_class_route_and_worker_rpc():
+    from vllm.v1.spec_decode.custom_class_proposer import create_custom_proposer
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    assert "user_class(vllm_config)" in inspect.getsource(create_custom_proposer)
+    import vllm_plugins
+
+    vllm_plugins.register()
+    assert callable(WorkerBase.vllm_plugins_stats)
+
+
+def test_ngram_lookup_function():
+    import numpy as np
+    from vllm.v1.spec_decode.ngram_proposer import (
+        _find_longest_matched_ngram_and_propose_tokens as lookup)
+
+    toks = np.array([1, 2, 3, 4, 1, 2, 3], dtype=np.int32)
+    assert list(lookup(toks, 2, 3, 100, 2)) == [4, 1]
+
+
+def test_options_ride_the_config_to_workers():
+    from vllm.config import SpeculativeConfig
+
+    cfg = SpeculativeConfig.__new__(SpeculativeConfig)
+    object.__setattr__(cfg, "vllm_plugins_options", {"method": "token_recycling"})
+    assert pickle.loads(pickle.dumps(cfg)).vllm_plugins_options["method"] == (
+        "token_recycling")
+
+
+def test_patches_are_installed_once():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import vllm_plugins
+    from vllm_plugins import bridge
+
+    vllm_plugins.register()
+    sample = GPUModelRunner._sample
+    bridge._INSTALLED = False
+    bridge.install()
+    assert GPUModelRunner._sample is sample
+    assert getattr(EngineArgs.create_speculative_config, "_vllm_plugins", False)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
+def test_version_gate_names_both_versions(version):
+    from vllm_plugins import check_vllm_version
+
+    with pytest.raises(RuntimeError, match=rf"0\.32.*{version}|{version}.*0\.32"):
+        check_vllm_version(version)
+    check_vllm_version("0.32.0+cpu")
