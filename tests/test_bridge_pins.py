@@ -133,3 +133,14 @@ def test_version_gate_names_both_versions(version):
     with pytest.raises(RuntimeError, match=rf"0\.32.*{version}|{version}.*0\.32"):
         check_vllm_version(version)
     check_vllm_version("0.32.0+cpu")
+
+
+def test_engine_config_hook_tells_the_grammar_processor():
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_plugins
+
+    vllm_plugins.register()
+    fn = EngineArgs.create_engine_config
+    assert fn.__name__ == "create_engine_config" and hasattr(fn, "__wrapped__")
+    assert "usage_context" in inspect.signature(fn.__wrapped__).parameters

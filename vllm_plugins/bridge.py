@@ -75,6 +75,21 @@ def _patch_engine_args() -> None:
     create_speculative_config._vllm_plugins = True
     EngineArgs.create_speculative_config = create_speculative_config
 
+    # EngineArgs.create_engine_config(self, ...) -> VllmConfig, in the front
+    # end: the grammar processor's validate_params sees only SamplingParams,
+    # so it learns here whether the engine will run custom logits processors.
+    original_engine_config = EngineArgs.create_engine_config
+
+    @functools.wraps(original_engine_config)
+    def create_engine_config(self, *args, **kwargs):
+        config = original_engine_config(self, *args, **kwargs)
+        from vllm_plugins.logits_processors.grammar import note_engine_config
+
+        note_engine_config(config)
+        return config
+
+    EngineArgs.create_engine_config = create_engine_config
+
 
 # ---------------------------------------------------------------- model runner
 def _runner_class():

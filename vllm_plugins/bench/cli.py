@@ -23,6 +23,10 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma list of: none, ngram, suffix, token_recycling, "
                         "token_recycling+goodput, ngram+goodput")
+    p.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
+                   help="add a method: a name and its speculative_config as JSON, "
+                        "e.g. tr-o1='{\"method\": \"token_recycling\", "
+                        "\"context_order\": 1}'")
     p.add_argument("--categories", default=None, help="comma list; default all")
     p.add_argument("--per-category", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -56,17 +60,24 @@ def main(argv=None) -> int:
 
         model = default_model_path()
     methods = [m for m in args.methods.split(",") if m]
+    configs = dict(METHOD_CONFIGS)
+    for item in args.extra:
+        name, sep, spec = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--extra wants NAME=JSON, got {item!r}")
+        configs[name] = json.loads(spec)
+        methods.append(name)
     if "suffix" in methods and not suffix_available():
         print("suffix: arctic-inference is not installed; skipping that method")
         methods.remove("suffix")
-    unknown = [m for m in methods if m not in METHOD_CONFIGS]
+    unknown = [m for m in methods if m not in configs]
     if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHOD_CONFIGS)}")
+        raise SystemExit(f"unknown method(s) {unknown}; known: {list(configs)}")
     if "none" not in methods:
         methods.insert(0, "none")
     cats = args.categories.split(",") if args.categories else None
     questions = load_questions(cats, args.per_category)
-    engines = {m: build_engine(model, METHOD_CONFIGS[m], max_num_seqs=max(
+    engines = {m: build_engine(model, configs[m], max_num_seqs=max(
         args.batch_size, 1), enforce_eager=not args.compile) for m in methods}
     tok = engines["none"].get_tokenizer()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,

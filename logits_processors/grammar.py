@@ -1,0 +1,465 @@
+"""Grammar / JSON-Schema constrained decoding as a vLLM logits processor.
+
+Enable (any one):
+
+* installed package: the ``vllm.logits_processors`` entry point ``grammar``
+  loads it into every engine (vLLM loads entry-point processors by default);
+* ``vllm serve ... --logits-processors vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor``;
+* ``LLM(..., logits_processors=[GrammarLogitsProcessor])``.
+
+Then per request::
+
+    SamplingParams(extra_args={"grammar": {"json_schema": {...}}})
+
+(see :mod:`.spec` for the other kinds). Requests without the key are never
+touched, and a batch without any such request costs one dict-emptiness check
+per step.
+
+Both of vLLM 0.32's logits-processor interfaces are implemented by this one
+class, because the entry point names one class and vLLM picks the interface by
+model runner: the V1 runner (``vllm.v1.sample.logits_processor.LogitsProcessor``,
+``update_state(BatchUpdate)`` + ``apply(logits)``; CPU builds, and GPU when the
+V2 runner is off) and the V2 runner (``vllm.v1.worker.gpu.sample.logits_processor
+.LogitsProcessor``, ``add_request`` + ``apply(logits, ctx)``; the GPU default).
+The V2 loader rejects plugins that are not V2 subclasses, so a V1-only class
+behind the entry point would stop every V2 engine from starting.
+
+Termination: when the grammar is complete and admits nothing more (llguidance
+matcher stopped), the request's EOS token is forced; while the grammar could
+end or go on, EOS is allowed along with the continuations.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import llguidance
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.sample.logits_processor.interface import (
+    BatchUpdate,
+    LogitsProcessor as _V1LogitsProcessor,
+    MoveDirectionality,
+)
+from vllm.v1.worker.gpu.sample.logits_processor.interface import (
+    LogitsProcessor as _V2LogitsProcessor,
+)
+
+from .masking import GrammarRuntime, runtime_for
+from .spec import (
+    GRAMMAR_KEY,
+    CompiledGrammar,
+    GrammarSpecError,
+    compile_grammar_request,
+    grammar_request,
+    validate_grammar_request,
+)
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.config import VllmConfig
+
+logger = init_logger(__name__)
+
+__all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
+
+_PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
+
+
+class _GrammarRequest:
+    """One request's matcher and how far it has read the request's output."""
+
+    __slots__ = ("matcher", "output", "n_consumed", "eos", "failed")
+
+    def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int] | None, eos: int):
+        self.matcher = matcher
+        # V1: a reference to the runner's running output-token list. V2: None
+        # (tokens are read from the runner's token buffer instead).
+        self.output = output
+        self.n_consumed = 0
+        self.eos = eos
+        # Set once; a failed request is forced to EOS (fail closed, logged).
+        self.failed: str | None = None if matcher is not None else "grammar unavailable"
+
+    def consume(self, tokens: list[int]) -> None:
+        if self.failed or not tokens:
+            return
+        m = self.matcher
+        if m.is_stopped():
+            # Only EOS was allowed; anything after it (ignore_eos) is not grammar text.
+            self.n_consumed += len(tokens)
+            return
+        if not m.consume_tokens(tokens):
+            self.failed = m.get_error() or "token rejected by the grammar"
+        self.n_consumed += len(tokens)
+
+    def advance_v1(self) -> bool:
+        """Consume output tokens not yet seen; False if some are still placeholders."""
+        out = self.output
+        n = len(out)
+        if n <= self.n_consumed:
+            return True
+        new = out[self.n_consumed : n]
+        if _PLACEHOLDER in new:
+            k = new.index(_PLACEHOLDER)
+            self.consume(new[:k])
+            return False
+        self.consume(new)
+        return True
+
+    @property
+    def must_stop(self) -> bool:
+        return self.failed is not None or self.matcher.is_stopped()
+
+
+class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
+    """Constrain a request's output to a JSON Schema, regex or Lark grammar."""
+
+    # ------------------------------------------------------------------ setup
+    def __init__(self, vllm_config: "VllmConfig", *args: Any) -> None:
+        # V1: (vllm_config, device, is_pin_memory); V2: (vllm_config, req_states).
+        if len(args) == 2:
+            self._v2 = False
+            self.device = torch.device(args[0])
+            self._req_states = None
+        elif len(args) == 1:
+            self._v2 = True
+            self._req_states = args[0]
+            self.device = torch.device(self._req_states.device)
+        else:
+            raise TypeError(
+                "GrammarLogitsProcessor(vllm_config, device, is_pin_memory) [V1] or "
+                "(vllm_config, req_states) [V2]"
+            )
+        self._model_config = vllm_config.model_config
+        self._vocab_size = self._model_config.get_vocab_size()
+        self._runtime: GrammarRuntime | None = None
+        self._runtime_error: str | None = None
+        # V1: batch index -> request. V2: persistent slot -> request.
+        self._reqs: dict[int, _GrammarRequest] = {}
+        self._logged: set[str] = set()
+        self._idle = _is_duplicate(vllm_config)
+        if self._idle:
+            logger.info(
+                "GrammarLogitsProcessor is both installed as an entry point and listed "
+                "in logits_processors; this instance stays idle so grammars run once."
+            )
+
+        if not self._v2:
+            sched = vllm_config.scheduler_config
+            explicit = tuple(self._model_config.logits_processors or ())
+            if getattr(sched, "async_scheduling", False) and not explicit:
+                # vLLM only fills in async placeholder tokens before sampling when
+                # *explicit* custom processors are configured
+                # (gpu_model_runner: logitsprocs_need_output_token_ids=bool(custom_logitsprocs)).
+                logger.warning(
+                    "GrammarLogitsProcessor was loaded through its entry point only, "
+                    "with async scheduling on: vLLM will not show it the last sampled "
+                    "tokens, so grammar requests would be stopped. Pass it with "
+                    "--logits-processors vllm_plugins.logits_processors.grammar:"
+                    "GrammarLogitsProcessor, or use --no-async-scheduling."
+                )
+
+    @classmethod
+    def validate_params(cls, sampling_params: "SamplingParams") -> None:
+        """Called by vLLM's frontend for every request; a ValueError fails only that request."""
+        compiled = validate_grammar_request(sampling_params.extra_args)
+        if compiled is None:
+            return
+        if _engine_drops_processors is not None:
+            raise GrammarSpecError(
+                f'extra_args["{GRAMMAR_KEY}"] cannot be honoured by this engine: '
+                f"{_engine_drops_processors}"
+            )
+        if sampling_params.structured_outputs is not None:
+            raise GrammarSpecError(
+                f'give either extra_args["{GRAMMAR_KEY}"] or structured_outputs, not both'
+            )
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    # --------------------------------------------------------------- helpers
+    def _log_once(self, key: str, msg: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(msg, *args)
+
+    def _get_runtime(self) -> GrammarRuntime | None:
+        # Built at the first grammar request: engines that never see one pay nothing.
+        if self._runtime is None and self._runtime_error is None:
+            try:
+                from vllm.tokenizers import cached_tokenizer_from_config
+
+                tokenizer = cached_tokenizer_from_config(self._model_config)
+                if tokenizer is None:
+                    raise RuntimeError("the engine was started with skip_tokenizer_init")
+                key = (self._model_config.tokenizer, self._model_config.tokenizer_revision,
+                       self._vocab_size)
+                self._runtime = runtime_for(tokenizer, self._vocab_size, key)
+            except Exception as e:  # noqa: BLE001 - any failure disables grammars, loudly
+                self._runtime_error = f"{type(e).__name__}: {e}"
+                logger.error(
+                    "GrammarLogitsProcessor cannot build an llguidance tokenizer (%s); "
+                    "grammar requests will be stopped at their first token.",
+                    self._runtime_error,
+                )
+        return self._runtime
+
+    def _new_request(
+        self, params: "SamplingParams", output: list[int] | None
+    ) -> _GrammarRequest | None:
+        raw = grammar_request(params.extra_args)
+        if raw is None:
+            return None
+        rt = self._get_runtime()
+        eos = params.eos_token_id
+        if eos is None:  # ignore_eos, or no tokenizer EOS: fall back to llguidance's
+            eos = rt.eos_token if rt is not None else 0
+        if rt is None:
+            return _GrammarRequest(None, output, eos)
+        try:
+            compiled: CompiledGrammar = compile_grammar_request(raw)
+            matcher = rt.new_matcher(compiled)
+        except Exception as e:  # noqa: BLE001 - validate_params should have caught it
+            req = _GrammarRequest(None, output, eos)
+            req.failed = str(e)
+            self._log_once(f"compile:{e}", "grammar request failed in the worker: %s", e)
+            return req
+        if matcher.is_error():
+            req = _GrammarRequest(None, output, eos)
+            req.failed = matcher.get_error()
+            return req
+        return _GrammarRequest(matcher, output, eos)
+
+    def _mask(self, logits: torch.Tensor, rows: list[int], reqs: list[_GrammarRequest],
+              drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """Mask ``logits[rows[i]]`` for ``reqs[i]``, whose matcher is at that row's position.
+
+        With ``drafts`` (V2 speculative decoding), request i owns rows
+        ``rows[i] .. rows[i] + len(drafts[i])``: row ``rows[i] + j`` is masked
+        after tentatively consuming ``drafts[i][:j]`` (rolled back afterwards).
+        """
+        rt = self._runtime
+        fill_pairs: list[tuple[llguidance.LLMatcher, int]] = []
+        mask_rows: list[int] = []
+        mask_eos: list[int] = []
+        force_rows: list[int] = []
+        force_toks: list[int] = []
+        n_logits = logits.shape[0]
+        for i, (row, req) in enumerate(zip(rows, reqs)):
+            if req.failed:
+                self._log_once(f"failed:{req.failed}",
+                               "grammar request stopped (EOS forced): %s", req.failed)
+            draft = drafts[i] if drafts else ()
+            n_rows = 1 + len(draft)
+            if req.must_stop or rt is None:
+                force_rows.extend(range(row, row + n_rows))
+                force_toks.extend([req.eos] * n_rows)
+                continue
+            fill_pairs.append((req.matcher, row))
+            mask_rows.append(row)
+            mask_eos.append(req.eos)
+            if draft:
+                m = req.matcher
+                n_ok = 0
+                for j, tok in enumerate(draft):
+                    if m.is_stopped() or m.try_consume_tokens([tok]) != 1:
+                        # The grammar rejects this draft token (or has ended): its
+                        # own row forbids it, so the rejection sampler never uses the
+                        # rows after it; make them EOS-only.
+                        rest = list(range(row + 1 + j, row + n_rows))
+                        force_rows.extend(rest)
+                        force_toks.extend([req.eos] * len(rest))
+                        break
+                    n_ok += 1
+                    # Row row+1+j is sampled after draft[:j+1]: fill it while the
+                    # matcher sits there, then roll back below.
+                    rt.fill([(m, row + 1 + j)], n_logits)
+                    mask_rows.append(row + 1 + j)
+                    mask_eos.append(req.eos)
+                if n_ok:
+                    m.rollback(n_ok)
+        if fill_pairs:
+            bitmask = rt.fill(fill_pairs, n_logits)
+            for row, eos in zip(mask_rows, mask_eos):
+                if eos != rt.eos_token:
+                    _copy_bit(bitmask, row, rt.eos_token, eos)
+            rt.apply(logits, mask_rows, mask_rows)
+        if force_rows:
+            GrammarRuntime.force_token(logits, force_rows, force_toks)
+        return logits
+
+    # -------------------------------------------------------------- V1 API
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        if not batch_update or self._idle:
+            return
+        reqs = self._reqs
+        for index in batch_update.removed:
+            reqs.pop(index, None)
+        for index, params, _prompt, output in batch_update.added:
+            extra = params.extra_args
+            if extra and GRAMMAR_KEY in extra:
+                req = self._new_request(params, output)
+                if req is not None:
+                    reqs[index] = req
+                    continue
+            reqs.pop(index, None)
+        if reqs:
+            for a, b, direction in batch_update.moved:
+                ra = reqs.pop(a, None)
+                rb = reqs.pop(b, None)
+                if ra is not None:
+                    reqs[b] = ra
+                if rb is not None and direction == MoveDirectionality.SWAP:
+                    reqs[a] = rb
+
+    def _apply_v1(self, logits: torch.Tensor) -> torch.Tensor:
+        rows: list[int] = []
+        reqs: list[_GrammarRequest] = []
+        for index, req in self._reqs.items():
+            if index >= logits.shape[0]:
+                continue
+            if not req.advance_v1() and not req.failed:
+                # vLLM patches placeholders before sampling only for explicitly
+                # configured processors; with the entry point alone under async
+                # scheduling the tokens stay unknown: stop rather than guess.
+                req.failed = ("the last sampled token is not visible to logits "
+                              "processors (async scheduling; pass --logits-processors)")
+            rows.append(index)
+            reqs.append(req)
+        return self._mask(logits, rows, reqs)
+
+    # -------------------------------------------------------------- V2 API
+    def add_request(self, req_idx: int, sampling_params: "SamplingParams") -> bool:
+        extra = sampling_params.extra_args
+        req = None
+        if extra and GRAMMAR_KEY in extra and not self._idle:
+            req = self._new_request(sampling_params, None)
+        if req is None:
+            self._reqs.pop(req_idx, None)
+            return False
+        self._reqs[req_idx] = req
+        return True
+
+    def _apply_v2(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+        slots = ctx.idx_mapping_np
+        batch = [(i, int(s)) for i, s in enumerate(slots.tolist()) if int(s) in self._reqs]
+        if not batch:
+            return logits
+        rs = self._req_states
+        num_reqs = len(slots)
+        spec = logits.shape[0] != num_reqs
+        if spec:
+            # Rows of batch position i: first_row[i] .. first_row[i+1]-1.
+            row_slot = ctx.expanded_idx_mapping.cpu().tolist()
+            first_row: list[int] = []
+            for r, s in enumerate(row_slot):
+                if r == 0 or s != row_slot[r - 1]:
+                    first_row.append(r)
+            first_row.append(len(row_slot))
+        else:
+            first_row = list(range(num_reqs + 1))
+        rows0 = [first_row[i] for i, _ in batch]
+        pos = ctx.pos.cpu().tolist()
+        input_ids = ctx.input_ids.cpu().tolist() if spec else None
+        rows: list[int] = []
+        reqs: list[_GrammarRequest] = []
+        drafts: list[list[int]] = []
+        prompt_len = rs.prompt_len.np
+        for (i, slot), row in zip(batch, rows0):
+            req = self._reqs[slot]
+            # Row `row` feeds the last committed token at position pos[row]; the
+            # request's committed output is all_token_ids[slot, prompt_len:pos+1].
+            start = int(prompt_len[slot]) + req.n_consumed
+            end = pos[row] + 1
+            if end > start:
+                toks = rs.all_token_ids.gpu[slot, start:end].tolist()
+                req.consume(toks)
+            rows.append(row)
+            reqs.append(req)
+            drafts.append(input_ids[row + 1 : first_row[i + 1]] if spec else [])
+        return self._mask(logits, rows, reqs, drafts if spec else None)
+
+    # --------------------------------------------------------------- apply
+    def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:
+        if not self._reqs:
+            return logits
+        if ctx is None:
+            return self._apply_v1(logits)
+        return self._apply_v2(logits, ctx)
+
+
+# Set (in the frontend process) by note_engine_config() when the engine will
+# not run custom logits processors although vLLM still calls validate_params.
+_engine_drops_processors: str | None = None
+
+
+def note_engine_config(vllm_config: "VllmConfig") -> None:
+    """Tell the frontend's validate_params what the engine will do with this class.
+
+    vLLM 0.32's V1 model runner silently drops every custom logits processor,
+    entry-point ones included, when speculative decoding is on
+    (``build_logitsprocs``; only ``--logits-processors`` given explicitly raises
+    ``STR_SPEC_DEC_REJECTS_LOGITSPROCS``), yet the frontend still runs
+    ``validate_params``: a grammar request would be admitted and decoded
+    unconstrained. ``validate_params`` sees only SamplingParams, so whoever has
+    the engine config in the frontend (the plugin bridge) calls this once;
+    grammar requests are then refused with a clear error instead.
+    """
+    global _engine_drops_processors
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None and not vllm_config.use_v2_model_runner:
+        method = getattr(spec, "method", None)
+        _engine_drops_processors = (
+            f"speculative decoding ({method}) is on and vLLM's V1 model runner then "
+            "runs no custom logits processors; use SamplingParams.structured_outputs "
+            "or an engine without speculative decoding"
+        )
+    else:
+        _engine_drops_processors = None
+
+
+FQCN = "vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor"
+_instances_per_config: dict[int, int] = {}
+
+
+def _times_configured(vllm_config: "VllmConfig") -> int:
+    """How many instances vLLM builds per engine: entry point + explicit mentions."""
+    from importlib.metadata import entry_points
+
+    n = sum(ep.value.replace(" ", "") == FQCN
+            for ep in entry_points(group="vllm.logits_processors"))
+    for item in vllm_config.model_config.logits_processors or ():
+        if item is GrammarLogitsProcessor or (
+            isinstance(item, type) and issubclass(item, GrammarLogitsProcessor)
+        ):
+            n += 1
+        elif isinstance(item, str) and item.replace(" ", "") == FQCN:
+            n += 1
+    return max(n, 1)
+
+
+def _is_duplicate(vllm_config: "VllmConfig") -> bool:
+    """True for all but the last of the instances one engine builds.
+
+    vLLM builds entry-point processors and then the ``logits_processors`` list,
+    with no de-duplication (``_load_custom_logitsprocs``, V1; ``_load_v2_logitsprocs``,
+    V2), one after another for the same config object. Counting construction
+    per config modulo the expected number keeps exactly one instance working.
+    """
+    times = _times_configured(vllm_config)
+    if times == 1:
+        return False
+    key = id(vllm_config)
+    ordinal = _instances_per_config.get(key, 0)
+    _instances_per_config[key] = ordinal + 1
+    return ordinal % times != times - 1
+
+
+def _copy_bit(bitmask: torch.Tensor, row: int, src: int, dst: int) -> None:
+    """If token ``src`` is allowed in ``bitmask[row]``, allow ``dst`` too."""
+    words = bitmask[row].numpy().view("uint32")
+    if (words[src >> 5] >> (src & 31)) & 1 and (dst >> 5) < len(words):
+        words[dst >> 5] |= 1 << (dst & 31)

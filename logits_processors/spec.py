@@ -1,0 +1,228 @@
+"""The per-request grammar spec: parsing, validation, compilation to llguidance.
+
+A request asks for constrained decoding through ``SamplingParams.extra_args``::
+
+    {"grammar": {"json_schema": {...}}}       # JSON Schema (dict, bool or JSON text)
+    {"grammar": {"json_object": True}}        # any JSON object
+    {"grammar": {"regex": "[0-9]{3}-[a-z]+"}} # whole output matches the regex
+    {"grammar": {"lark": "start: ..."}}       # llguidance's Lark dialect
+
+or the same dict as JSON text (``{"grammar": "{\\"regex\\": \\"a+\\"}"}``): the
+OpenAI server's ``vllm_xargs`` carries only strings and numbers. Plus one
+optional setting for the two JSON kinds::
+
+    "whitespace_flexible": bool   # default True (as vLLM's guidance backend):
+                                  # any JSON whitespace between tokens; False
+                                  # allows none, e.g. {"a":1,"b":[2]}
+
+This module imports neither torch nor vLLM: the frontend process runs
+:func:`validate_grammar_request` once per request (through
+``GrammarLogitsProcessor.validate_params``), and the tests use it directly.
+Compilation never needs a tokenizer; the result is an llguidance grammar string
+that any ``LLMatcher`` (built per request in the worker) accepts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+#: The ``SamplingParams.extra_args`` key that switches the processor on.
+GRAMMAR_KEY = "grammar"
+#: Exactly one of these must be present in ``extra_args["grammar"]``.
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
+#: Optional settings and the kinds they apply to.
+OPTION_KINDS = {"whitespace_flexible": ("json_schema", "json_object")}
+
+_WHERE = f'extra_args["{GRAMMAR_KEY}"]'
+
+
+class GrammarSpecError(ValueError):
+    """A request's ``extra_args["grammar"]`` is malformed or does not compile.
+
+    A ``ValueError`` so that vLLM turns it into ``VLLMValidationError``
+    (HTTP 400 through the OpenAI server) when raised from ``validate_params``.
+    """
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    kind: str
+    #: llguidance grammar text, the argument of ``llguidance.LLMatcher``.
+    grammar: str
+    #: warnings llguidance reported while validating (e.g. ignored keywords).
+    warnings: tuple[str, ...] = ()
+
+
+def grammar_request(extra_args: dict[str, Any] | None) -> Any | None:
+    """The raw ``extra_args["grammar"]`` value, or None when the key is absent."""
+    if not extra_args:
+        return None
+    return extra_args.get(GRAMMAR_KEY)
+
+
+def _schema_text(value: Any) -> str:
+    """Canonical JSON text of a ``json_schema`` value (dict, bool or JSON text)."""
+    where = f'{_WHERE}["json_schema"]'
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise GrammarSpecError(f"{where} is a string but not valid JSON: {e}") from e
+    if not isinstance(value, (dict, bool)):
+        raise GrammarSpecError(
+            f"{where} must be a JSON Schema (an object or a boolean), "
+            f"got {type(value).__name__}"
+        )
+    if isinstance(value, bool):
+        # Boolean schemas: llguidance applies options only to object schemas.
+        value = {} if value else {"not": {}}
+    try:
+        return json.dumps(value, allow_nan=False)  # key order matters: llguidance emits properties in schema order
+    except (TypeError, ValueError) as e:
+        raise GrammarSpecError(f"{where} is not JSON-serializable: {e}") from e
+
+
+def _to_llguidance(raw: Any) -> tuple[str, str]:
+    """Check the shape of ``extra_args["grammar"]``; return (kind, llguidance grammar)."""
+    if isinstance(raw, str):
+        # The OpenAI server's ``vllm_xargs`` only carries strings and numbers,
+        # so there the whole spec comes as JSON text.
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise GrammarSpecError(
+                f"{_WHERE} is a string but not the JSON text of a dict: {e}"
+            ) from e
+    if not isinstance(raw, dict):
+        raise GrammarSpecError(
+            f"{_WHERE} must be a dict with one of the keys {', '.join(GRAMMAR_KINDS)}; "
+            f"got {type(raw).__name__}"
+        )
+    unknown = sorted(k for k in raw if k not in GRAMMAR_KINDS and k not in OPTION_KINDS)
+    if unknown:
+        raise GrammarSpecError(
+            f"unknown key(s) {', '.join(map(repr, unknown))} in {_WHERE}; "
+            f"allowed: {', '.join(GRAMMAR_KINDS + tuple(OPTION_KINDS))}"
+        )
+    kinds = [k for k in GRAMMAR_KINDS if k in raw]
+    if len(kinds) != 1:
+        got = f"{len(kinds)} ({', '.join(kinds)})" if kinds else "none"
+        raise GrammarSpecError(
+            f"{_WHERE} must have exactly one of the keys {', '.join(GRAMMAR_KINDS)}; "
+            f"got {got}"
+        )
+    kind = kinds[0]
+    for opt, allowed_kinds in OPTION_KINDS.items():
+        if opt in raw and kind not in allowed_kinds:
+            raise GrammarSpecError(
+                f'{_WHERE}["{opt}"] applies only to {" and ".join(allowed_kinds)}, '
+                f"not to {kind}"
+            )
+    value = raw[kind]
+
+    if kind in ("json_schema", "json_object"):
+        flexible = raw.get("whitespace_flexible", True)
+        if not isinstance(flexible, bool):
+            raise GrammarSpecError(
+                f'{_WHERE}["whitespace_flexible"] must be true or false, '
+                f"got {flexible!r}"
+            )
+        if kind == "json_object":
+            if value is not True:
+                raise GrammarSpecError(
+                    f'{_WHERE}["json_object"] must be true, got {value!r}'
+                )
+            schema = '{"type": "object"}'
+        else:
+            schema = _schema_text(value)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults={"whitespace_flexible": flexible}
+            )
+        except (ValueError, TypeError) as e:
+            raise GrammarSpecError(f'{_WHERE}["{kind}"] is not usable: {e}') from e
+        return kind, grammar
+
+    if not isinstance(value, str) or not value:
+        raise GrammarSpecError(
+            f'{_WHERE}["{kind}"] must be a non-empty string, got {value!r:.80}'
+        )
+    if kind == "regex":
+        return kind, llguidance.LLMatcher.grammar_from_regex(value)
+    return kind, llguidance.LLMatcher.grammar_from_lark(value)
+
+
+def _cache_key(raw: Any) -> str | None:
+    try:
+        return json.dumps(raw, allow_nan=False)  # order-preserving: property order is meaningful
+    except (TypeError, ValueError):
+        return None  # not cacheable; compile_grammar_request reports the error
+
+
+class _LRU(OrderedDict):
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def get_or(self, key, make):
+        if key is not None and key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = make()
+        if key is not None:
+            self[key] = value
+            if len(self) > self.size:
+                self.popitem(last=False)
+        return value
+
+
+# Compiled grammars (or the error they raised), by canonical request text. Both
+# the frontend (one validation per request) and the worker (one matcher per
+# request) hit it; repeated schemas are the common case in serving.
+_COMPILED: _LRU = _LRU(512)
+
+
+def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
+    try:
+        kind, grammar = _to_llguidance(raw)
+    except GrammarSpecError as e:
+        return e
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        msg = messages[0].strip() if messages else "unknown error"
+        what = {
+            "json_schema": "is not a JSON Schema that llguidance can compile",
+            "json_object": "does not compile",
+            "regex": "is not a valid regex",
+            "lark": "is not a valid llguidance Lark grammar",
+        }[kind]
+        return GrammarSpecError(f'{_WHERE}["{kind}"] {what}: {msg}')
+    return CompiledGrammar(kind, grammar, tuple(messages))
+
+
+def compile_grammar_request(raw: Any) -> CompiledGrammar:
+    """Compile ``extra_args["grammar"]`` to an llguidance grammar (cached).
+
+    Raises :class:`GrammarSpecError` naming what is wrong: not a dict, unknown
+    key, zero or two grammar keys, a bad option, or llguidance's own compile
+    error (bad schema, unsupported keyword, bad regex, bad Lark).
+    """
+    result = _COMPILED.get_or(_cache_key(raw), lambda: _compile_uncached(raw))
+    if isinstance(result, GrammarSpecError):
+        raise GrammarSpecError(str(result))
+    return result
+
+
+def validate_grammar_request(extra_args: dict[str, Any] | None) -> CompiledGrammar | None:
+    """None for requests without the key; else the compiled grammar or an error."""
+    raw = grammar_request(extra_args)
+    if raw is None:
+        if extra_args and GRAMMAR_KEY in extra_args:
+            raise GrammarSpecError(f"{_WHERE} is null; leave the key out instead")
+        return None
+    return compile_grammar_request(raw)

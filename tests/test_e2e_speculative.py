@@ -1,0 +1,136 @@
+"""Lossless end to end: our proposers inside vllm.LLM give vLLM's own tokens."""
+
+import pytest
+
+from tests.conftest import shutdown
+
+pytestmark = pytest.mark.slow
+
+N_PROMPTS = 20
+MAX_TOKENS = 64
+_BASE: dict = {}
+
+
+def engine(model_path, spec):
+    from vllm_plugins.bench.engines import build_engine
+
+    return build_engine(model_path, spec, max_num_seqs=8, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts(base):
+    from vllm_plugins.bench.data import load_questions, render
+
+    qs = load_questions(per_category=2)[:N_PROMPTS]
+    tok = base.get_tokenizer()
+    return [render(tok, q) for q in qs]
+
+
+@pytest.fixture(scope="module")
+def base(model_path):
+    llm = engine(model_path, None)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module", params=[
+    {"method": "token_recycling", "num_speculative_tokens": 6},
+    {"method": "token_recycling", "num_speculative_tokens": 4,
+     "draft_length": "fixed", "context_order": 1},
+    {"method": "ngram_adaptive", "num_speculative_tokens": 5},
+], ids=["token_recycling-goodput", "token_recycling-fixed-bigram",
+        "ngram_adaptive"])
+def spec(request, model_path):
+    llm = engine(model_path, request.param)
+    # The default configuration gets the full 20 prompts; variants fewer.
+    llm.n_prompts = N_PROMPTS if request.param_index == 0 else 6
+    yield llm
+    shutdown(llm)
+
+
+def greedy(max_tokens=MAX_TOKENS, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_batch1_greedy_identical(base, spec, prompts):
+    from vllm_plugins.bench.engines import engine_stats, run_batch
+
+    for p in prompts[:spec.n_prompts]:
+        key = tuple(p)
+        if key not in _BASE:  # the reference is computed once for all variants
+            _BASE[key] = run_batch(base, [p], greedy())[0][0].token_ids
+        got, _ = run_batch(spec, [p], greedy())
+        assert got[0].token_ids == _BASE[key]
+    stats = engine_stats(spec)
+    assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
+    assert stats["proposer"]["num_errors"] == 0
+
+
+def test_batch8_mixed_lengths_with_abort_identical(base, spec, prompts):
+    from vllm_plugins.bench.engines import run_batch
+
+    batch = prompts[:8]
+    lengths = [16, 64, 32, 48, 8, 64, 24, 40]
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    outs = {}
+    for name, llm in (("base", base), ("spec", spec)):
+        engine = llm.llm_engine
+        ids = [f"{name}-{i}" for i in range(8)]
+        toks = {r: [] for r in ids}
+        for r, p, n in zip(ids, batch, lengths):
+            sp = SamplingParams(temperature=0.0, max_tokens=n,
+                                output_kind=RequestOutputKind.DELTA)
+            engine.add_request(r, {"prompt_token_ids": p}, sp)
+        step = 0
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                toks[o.request_id].extend(o.outputs[0].token_ids)
+            step += 1
+            if step == 6:
+                engine.abort_request([ids[3]])
+        outs[name] = [toks[r] for r in ids]
+    for i in range(8):
+        if i == 3:  # aborted in both engines after 6 steps: a common prefix
+            a, b = outs["base"][3], outs["spec"][3]
+            n = min(len(a), len(b))
+            assert n > 0 and a[:n] == b[:n]
+            assert max(len(a), len(b)) < lengths[3]
+        else:
+            assert outs["spec"][i] == outs["base"][i], i
+            assert len(outs["spec"][i]) == lengths[i]
+    # The engine keeps serving after the abort.
+    again, _ = run_batch(spec, [batch[3]], greedy(16))
+    want, _ = run_batch(base, [batch[3]], greedy(16))
+    assert again[0].token_ids == want[0].token_ids
+
+
+def test_sampled_run_completes_with_seed(spec, prompts):
+    from vllm import SamplingParams
+
+    from vllm_plugins.bench.engines import run_batch
+
+    sp = SamplingParams(temperature=1.0, max_tokens=32, seed=1234, ignore_eos=True)
+    first, _ = run_batch(spec, prompts[:4], sp)
+    assert all(len(r.token_ids) == 32 for r in first)
+
+
+def test_bad_option_fails_before_the_model_loads(model_path):
+    from vllm import LLM
+
+    with pytest.raises(ValueError, match="min_confidence"):
+        LLM(model=model_path, speculative_config={
+            "method": "token_recycling", "min_confidence": 7})
+
+
+def test_grammar_request_refused_while_speculating(spec, prompts):
+    """vLLM's V1 runner runs no custom logits processors with speculation:
+    a grammar request must fail clearly, not decode unconstrained."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=8, extra_args={"grammar": {"json_object": True}})
+    with pytest.raises(ValueError, match="speculative decoding"):
+        spec.llm_engine.add_request("grammar-1", {"prompt_token_ids": prompts[0]}, sp)
