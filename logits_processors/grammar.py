@@ -167,11 +167,6 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         compiled = validate_grammar_request(sampling_params.extra_args)
         if compiled is None:
             return
-        if _engine_drops_processors is not None:
-            raise GrammarSpecError(
-                f'extra_args["{GRAMMAR_KEY}"] cannot be honoured by this engine: '
-                f"{_engine_drops_processors}"
-            )
         if sampling_params.structured_outputs is not None:
             raise GrammarSpecError(
                 f'give either extra_args["{GRAMMAR_KEY}"] or structured_outputs, not both'
@@ -391,34 +386,35 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         return self._apply_v2(logits, ctx)
 
 
-# Set (in the frontend process) by note_engine_config() when the engine will
-# not run custom logits processors although vLLM still calls validate_params.
-_engine_drops_processors: str | None = None
-
-
-def note_engine_config(vllm_config: "VllmConfig") -> None:
-    """Tell the frontend's validate_params what the engine will do with this class.
+def engine_drops_processors(vllm_config: "VllmConfig") -> str | None:
+    """Why this engine will run no custom logits processors, or None.
 
     vLLM 0.32's V1 model runner silently drops every custom logits processor,
     entry-point ones included, when speculative decoding is on
     (``build_logitsprocs``; only ``--logits-processors`` given explicitly raises
     ``STR_SPEC_DEC_REJECTS_LOGITSPROCS``), yet the frontend still runs
     ``validate_params``: a grammar request would be admitted and decoded
-    unconstrained. ``validate_params`` sees only SamplingParams, so whoever has
-    the engine config in the frontend (the plugin bridge) calls this once;
-    grammar requests are then refused with a clear error instead.
+    unconstrained. The bridge wraps each engine's params validator with
+    ``refuse_grammar_requests`` when this returns a reason.
     """
-    global _engine_drops_processors
     spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None and not vllm_config.use_v2_model_runner:
-        method = getattr(spec, "method", None)
-        _engine_drops_processors = (
-            f"speculative decoding ({method}) is on and vLLM's V1 model runner then "
-            "runs no custom logits processors; use SamplingParams.structured_outputs "
-            "or an engine without speculative decoding"
+    if spec is None or vllm_config.use_v2_model_runner:
+        return None
+    method = getattr(spec, "method", None)
+    return (
+        f"speculative decoding ({method}) is on and vLLM's V1 model runner then "
+        "runs no custom logits processors; use SamplingParams.structured_outputs "
+        "or an engine without speculative decoding"
+    )
+
+
+def refuse_grammar_requests(sampling_params: "SamplingParams", reason: str) -> None:
+    """Fail only a request that asks for a grammar this engine cannot honour."""
+    extra = getattr(sampling_params, "extra_args", None) or {}
+    if GRAMMAR_KEY in extra:
+        raise GrammarSpecError(
+            f'extra_args["{GRAMMAR_KEY}"] cannot be honoured by this engine: {reason}'
         )
-    else:
-        _engine_drops_processors = None
 
 
 FQCN = "vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor"

@@ -135,12 +135,14 @@ def test_version_gate_names_both_versions(version):
     check_vllm_version("0.32.0+cpu")
 
 
-def test_engine_config_hook_tells_the_grammar_processor():
-    from vllm.engine.arg_utils import EngineArgs
+def test_params_validator_is_built_per_engine():
+    from vllm.v1.engine.input_processor import InputProcessor
 
     import vllm_plugins
 
     vllm_plugins.register()
-    fn = EngineArgs.create_engine_config
-    assert fn.__name__ == "create_engine_config" and hasattr(fn, "__wrapped__")
-    assert "usage_context" in inspect.signature(fn.__wrapped__).parameters
+    fn = InputProcessor._build_logits_processors_params_validator
+    assert getattr(fn, "_vllm_plugins", False)
+    assert params(fn.__wrapped__) == ["self"]
+    src = inspect.getsource(InputProcessor.__init__)
+    assert "self._build_logits_processors_params_validator()" in src

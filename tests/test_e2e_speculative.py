@@ -134,3 +134,28 @@ def test_grammar_request_refused_while_speculating(spec, prompts):
     sp = SamplingParams(max_tokens=8, extra_args={"grammar": {"json_object": True}})
     with pytest.raises(ValueError, match="speculative decoding"):
         spec.llm_engine.add_request("grammar-1", {"prompt_token_ids": prompts[0]}, sp)
+
+
+def test_server_with_speculative_config_matches_plain_decoding(base, prompts,
+                                                               model_path, tmp_path):
+    """`--speculative-config '{"method": "token_recycling", ...}'` on the
+    OpenAI server: the same greedy tokens as plain decoding."""
+    import json
+
+    from vllm_plugins.bench.engines import run_batch
+    from tests.serving import post, running_server
+
+    spec = json.dumps({"method": "token_recycling", "num_speculative_tokens": 6})
+    with running_server(model_path, ["--speculative-config", spec],
+                        tmp_path / "server.log") as url:
+        for p in prompts[:3]:
+            want = run_batch(base, [p], greedy(32))[0][0].token_ids
+            status, body = post(url + "/v1/completions", {
+                "model": model_path, "prompt": p, "max_tokens": 32,
+                "temperature": 0, "return_token_ids": True})
+            assert status == 200, body
+            assert body["choices"][0]["token_ids"] == want
+        status, body = post(url + "/v1/completions", {
+            "model": model_path, "prompt": prompts[0], "max_tokens": 4,
+            "vllm_xargs": {"grammar": json.dumps({"json_object": True})}})
+        assert status == 400 and "speculative decoding" in json.dumps(body)

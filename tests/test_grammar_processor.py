@@ -452,14 +452,11 @@ def test_engine_that_drops_processors_refuses_grammar_requests(vllm_config):
 
     fake = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram"),
                            use_v2_model_runner=False)
-    grammar.note_engine_config(fake)
-    try:
-        with pytest.raises(GrammarSpecError, match="speculative decoding"):
-            GrammarLogitsProcessor.validate_params(params({"regex": "a"}))
-        GrammarLogitsProcessor.validate_params(params(None))  # others unaffected
-    finally:
-        grammar.note_engine_config(vllm_config)
-    GrammarLogitsProcessor.validate_params(params({"regex": "a"}))
+    reason = grammar.engine_drops_processors(fake)
+    with pytest.raises(GrammarSpecError, match="speculative decoding"):
+        grammar.refuse_grammar_requests(params({"regex": "a"}), reason)
+    grammar.refuse_grammar_requests(params(None), reason)  # others unaffected
+    assert grammar.engine_drops_processors(vllm_config) is None
 
 
 @pytest.mark.parametrize("width", [32 * 5, 32 * 5 - 7, 32 * 5 + 9])

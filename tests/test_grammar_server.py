@@ -11,36 +11,13 @@ serving afterwards.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
+from tests.serving import post as _post, running_server
+
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.fixture(scope="module")
@@ -52,44 +29,9 @@ def server(tmp_path_factory):
     if "grammar" not in {ep.name for ep in entry_points(group="vllm.logits_processors")}:
         pytest.skip("package not installed with its entry points (pip install -e .)")
     model = default_model_path()
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-             "--port", str(port), "--enforce-eager", "--dtype", "float32",
-             "--max-model-len", "1024"],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,  # its own process group: teardown ends engine + worker
-        )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited:\n{log.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"server not ready in 600 s:\n{log.read_text()[-3000:]}")
-            time.sleep(2)
+    with running_server(model, [], log) as base:
         yield base, model
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:  # whatever of the group is left (engine core, worker)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
 
 
 def test_server_grammar_via_vllm_xargs(server):

@@ -75,20 +75,39 @@ def _patch_engine_args() -> None:
     create_speculative_config._vllm_plugins = True
     EngineArgs.create_speculative_config = create_speculative_config
 
-    # EngineArgs.create_engine_config(self, ...) -> VllmConfig, in the front
-    # end: the grammar processor's validate_params sees only SamplingParams,
-    # so it learns here whether the engine will run custom logits processors.
-    original_engine_config = EngineArgs.create_engine_config
+    _patch_params_validator()
 
-    @functools.wraps(original_engine_config)
-    def create_engine_config(self, *args, **kwargs):
-        config = original_engine_config(self, *args, **kwargs)
-        from vllm_plugins.logits_processors.grammar import note_engine_config
 
-        note_engine_config(config)
-        return config
+def _patch_params_validator() -> None:
+    # vllm.v1.engine.input_processor.InputProcessor
+    #     ._build_logits_processors_params_validator(self) -> Callable[[SamplingParams], None]
+    # is built once per engine in the front end. With speculative decoding the
+    # V1 runner drops custom logits processors, so a grammar request would be
+    # decoded unconstrained: this engine's validator refuses it instead.
+    from vllm.v1.engine.input_processor import InputProcessor
 
-    EngineArgs.create_engine_config = create_engine_config
+    original = InputProcessor._build_logits_processors_params_validator
+    if getattr(original, "_vllm_plugins", False):
+        return
+
+    @functools.wraps(original)
+    def build_validator(self):
+        validate = original(self)
+        from vllm_plugins.logits_processors.grammar import (
+            engine_drops_processors, refuse_grammar_requests)
+
+        reason = engine_drops_processors(self.vllm_config)
+        if reason is None:
+            return validate
+
+        def validate_or_refuse(params):
+            refuse_grammar_requests(params, reason)
+            validate(params)
+
+        return validate_or_refuse
+
+    build_validator._vllm_plugins = True
+    InputProcessor._build_logits_processors_params_validator = build_validator
 
 
 # ---------------------------------------------------------------- model runner

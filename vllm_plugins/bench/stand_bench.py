@@ -1,0 +1,156 @@
+"""STAND under test-time scaling: n samples per prompt, beside Token Recycling
+and vLLM's n-gram, on Spec-Bench dev, all engines in one process.
+
+Each batch is one prompt with ``n`` samples (``SamplingParams(n=...)``, one
+seed per batch, so the samples get seeds seed..seed+n-1), run on every engine
+in turn with the starting engine rotating, so host noise hits all methods
+alike. MAT counts, per sample, output tokens per target forward that produced
+some of them (exact, from ``LLMEngine.step``). Warm-up batches use prompts of
+other categories: STAND keeps a prompt's store after its requests finish, and
+warming up on the measured prompts would hand it their n-grams for free.
+
+    python -m vllm_plugins.bench.stand_bench --per-category 4 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
+
+DEFAULT_CATEGORIES = ["math_reasoning", "reasoning", "coding"]
+WARMUP_CATEGORY = "writing"
+
+METHODS = {
+    "none": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 5,
+              "prompt_lookup_max": 5, "prompt_lookup_min": 2},
+    # Both plugin methods with their defaults (draft_length "goodput").
+    "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 6},
+    "stand": {"method": "stand", "num_speculative_tokens": 6},
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench.stand_bench",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma list of: {', '.join(METHODS)}")
+    p.add_argument("--categories", default=",".join(DEFAULT_CATEGORIES))
+    p.add_argument("--per-category", type=int, default=4)
+    p.add_argument("--n", type=int, default=4, help="samples per prompt")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=1,
+                   help=f"untimed batches first, on {WARMUP_CATEGORY!r} prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="bench_out/stand")
+    return p.parse_args(argv)
+
+
+def run_samples(llm, prompt: list[int], params, tag: str):
+    """One prompt, params.n samples; per sample (tokens, forwards) and seconds."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = llm.llm_engine
+    params = params.clone()
+    params.output_kind = RequestOutputKind.DELTA
+    rid = f"{tag}-{time.monotonic_ns()}"
+    tokens: dict[int, list[int]] = defaultdict(list)
+    forwards: dict[int, int] = defaultdict(int)
+    start = time.perf_counter()
+    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            for c in out.outputs:
+                if c.token_ids:
+                    tokens[c.index].extend(c.token_ids)
+                    forwards[c.index] += 1
+    seconds = time.perf_counter() - start
+    return [(tokens[i], forwards[i]) for i in range(params.n)], seconds
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from vllm_plugins.bench.data import load_questions, render
+    from vllm_plugins.bench.engines import build_engine, engine_stats
+    from vllm_plugins.bench.report import Tally, markdown, plot
+
+    model = args.model
+    if model is None:
+        from vllm_plugins.default_model import default_model_path
+
+        model = default_model_path()
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+    if "none" not in methods:
+        methods.insert(0, "none")
+    cats = args.categories.split(",")
+    questions = load_questions(cats, args.per_category)
+    warm = load_questions([WARMUP_CATEGORY], args.warmup) if args.warmup else []
+    engines = {m: build_engine(model, METHODS[m], max_num_seqs=max(args.n, 1))
+               for m in methods}
+    tok = engines["none"].get_tokenizer()
+
+    def params(i):
+        return SamplingParams(n=args.n, temperature=args.temperature,
+                              max_tokens=args.max_tokens, seed=args.seed + 1000 * i)
+
+    for i, q in enumerate(warm):
+        for m in methods:
+            run_samples(engines[m], render(tok, q), params(10_000 + i), m)
+    before = {m: engine_stats(engines[m]) for m in methods}
+    tally = Tally()
+    for bi, q in enumerate(tqdm(questions, desc="prompts")):
+        prompt = render(tok, q)
+        order = methods[bi % len(methods):] + methods[:bi % len(methods)]
+        results = {m: run_samples(engines[m], prompt, params(bi), m) for m in order}
+        for m in methods:
+            samples, secs = results[m]
+            total = sum(len(t) for t, _ in samples)
+            for toks, fwd in samples:
+                tally.add(m, q["category"], len(toks), fwd,
+                          secs * len(toks) / max(total, 1), False)
+    stats = {m: engine_stats(engines[m]) for m in methods}
+    acceptance = {}
+    for m in methods:
+        d = stats[m].get("drafted", 0) - before[m].get("drafted", 0)
+        a = stats[m].get("accepted", 0) - before[m].get("accepted", 0)
+        acceptance[m] = a / d if d else None
+    categories = list(dict.fromkeys(q["category"] for q in questions))
+    rows = tally.table(methods, categories, acceptance)
+    table = markdown(rows)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    title = (f"{Path(model).name} n={args.n} T={args.temperature} "
+             f"max_tokens={args.max_tokens} {len(questions)} prompts "
+             f"{platform.processor() or platform.machine()} {os.cpu_count()} cpus {stamp}")
+    plot(rows, str(out / "stand_bench.png"), title)
+    (out / "stand_bench.md").write_text(f"{title}\n\n{table}\n")
+    (out / "stand_bench.json").write_text(json.dumps(
+        {"args": vars(args), "rows": rows, "engine_stats": stats,
+         "acceptance": acceptance}, indent=1, default=str))
+    print(f"\nwrote {out}/stand_bench.md, stand_bench.png, stand_bench.json")
+    for llm in engines.values():
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
