@@ -37,9 +37,10 @@ def base(model_path):
     {"method": "token_recycling", "num_speculative_tokens": 6},
     {"method": "token_recycling", "num_speculative_tokens": 4,
      "draft_length": "fixed", "context_order": 1},
-    {"method": "ngram_adaptive", "num_speculative_tokens": 5},
-], ids=["token_recycling-goodput", "token_recycling-fixed-bigram",
-        "ngram_adaptive"])
+    {"method": "ngram_adaptive", "num_speculative_tokens": 5,
+     "draft_length": "goodput"},
+], ids=["token_recycling", "token_recycling-fixed-bigram",
+        "ngram_adaptive-goodput"])
 def spec(request, model_path):
     llm = engine(model_path, request.param)
     # The default configuration gets the full 20 prompts; variants fewer.
@@ -130,9 +131,10 @@ def test_grammar_request_refused_while_speculating(spec, prompts):
     """vLLM's V1 runner runs no custom logits processors with speculation:
     a grammar request must fail clearly, not decode unconstrained."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     sp = SamplingParams(max_tokens=8, extra_args={"grammar": {"json_object": True}})
-    with pytest.raises(ValueError, match="speculative decoding"):
+    with pytest.raises(VLLMValidationError, match="speculative decoding"):
         spec.llm_engine.add_request("grammar-1", {"prompt_token_ids": prompts[0]}, sp)
 
 

@@ -16,7 +16,7 @@ def test_our_method_becomes_custom_class_with_options():
 def test_defaults_fill_in():
     spec, opts = translate({"method": "token_recycling"})
     assert spec["num_speculative_tokens"] == 6
-    assert opts["draft_length"] == "goodput"
+    assert opts["draft_length"] == "fixed"
 
 
 def test_vllm_methods_pass_through_untouched():

@@ -36,7 +36,39 @@ def install() -> None:
     _patch_engine_args()
     _patch_model_runner()
     _patch_worker()
+    _patch_cpu_expand()
     _INSTALLED = True
+
+
+def _patch_cpu_expand() -> None:
+    # vllm.v1.sample.rejection_sampler.expand_batch_to_tokens(x, cu_num_tokens,
+    #     num_tokens, replace_from=0, replace_to=0) spreads per-request
+    # temperature / top_k / top_p over the draft rows before verification.
+    # Without Triton (the CPU build), vLLM 0.32 runs its expand_kernel as
+    # vllm.utils.cpu_triton_utils._expand_kernel_impl, which casts the output
+    # to int64 and writes into that copy: float32 (temperature, top_p) and
+    # int32 (top_k) results stay uninitialised, so sampled requests are
+    # verified against garbage target probabilities (wrong output
+    # distribution, recovered token 0) with every speculative method. Only
+    # where Triton is absent; the Triton kernel is correct.
+    from vllm.triton_utils import HAS_TRITON
+
+    if HAS_TRITON:
+        return
+    import vllm.v1.sample.rejection_sampler as rs
+
+    if getattr(rs.expand_batch_to_tokens, "_vllm_plugins", False):
+        return
+
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0,
+                               replace_to=0):
+        counts = torch.diff(cu_num_tokens.to(torch.int64),
+                            prepend=cu_num_tokens.new_zeros(1, dtype=torch.int64))
+        x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+        return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+    expand_batch_to_tokens._vllm_plugins = True
+    rs.expand_batch_to_tokens = expand_batch_to_tokens
 
 
 def _patch_worker() -> None:
@@ -101,7 +133,14 @@ def _patch_params_validator() -> None:
             return validate
 
         def validate_or_refuse(params):
-            refuse_grammar_requests(params, reason)
+            # vllm.exceptions.VLLMValidationError is what the server answers
+            # with HTTP 400 (vLLM converts validate_params' ValueErrors too).
+            from vllm.exceptions import VLLMValidationError
+
+            try:
+                refuse_grammar_requests(params, reason)
+            except ValueError as e:
+                raise VLLMValidationError(str(e)) from e
             validate(params)
 
         return validate_or_refuse

@@ -53,7 +53,8 @@ DRAFT_LENGTH_POLICIES = ("fixed", "acceptance", "confidence", "goodput")
 
 # Options every method of ours takes.
 COMMON_OPTIONS = (
-    Option("draft_length", "goodput", str, choices=DRAFT_LENGTH_POLICIES),
+    # "fixed" until goodput measurably beats it end to end (docs/benchmarks.md).
+    Option("draft_length", "fixed", str, choices=DRAFT_LENGTH_POLICIES),
     Option("draft_length_options", None, (dict, type(None))),
 )
 

@@ -40,6 +40,24 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def run_interleaved(engines, methods, batch, bi, tok, params, tally, greedy):
+    """One batch on every engine, rotating which goes first."""
+    from vllm_plugins.bench.data import render
+    from vllm_plugins.bench.engines import run_batch
+
+    prompts = [render(tok, q) for q in batch]
+    order = methods[bi % len(methods):] + methods[:bi % len(methods)]
+    results = {m: run_batch(engines[m], prompts, params) for m in order}
+    ref = results["none"][0]
+    for m in methods:
+        res, secs = results[m]
+        toks = sum(len(r.token_ids) for r in res)
+        for q, r, b in zip(batch, res, ref):
+            share = secs * len(r.token_ids) / max(toks, 1)
+            mismatch = greedy and r.token_ids != b.token_ids
+            tally.add(m, q["category"], len(r.token_ids), r.forwards, share, mismatch)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.quick:
@@ -84,25 +102,24 @@ def main(argv=None) -> int:
                             seed=0 if args.temperature > 0 else None)
     batches = [questions[i:i + args.batch_size]
                for i in range(0, len(questions), args.batch_size)]
-    for b in batches[:args.warmup]:  # warm caches and allocators, untimed
+    # Warm caches and allocators, untimed, on prompts outside the measured set
+    # (a proposer that learns must not see a measured prompt beforehand).
+    measured = {q["question_id"] for q in questions}
+    spare = [q for q in load_questions(cats) if q["question_id"] not in measured]
+    for q in spare[:args.warmup]:
         for m in methods:
-            run_batch(engines[m], [render(tok, q) for q in b], params)
+            run_batch(engines[m], [render(tok, q)] * args.batch_size, params)
     tally = Tally()
-    for bi, batch in enumerate(tqdm(batches, desc="batches")):
-        prompts = [render(tok, q) for q in batch]
-        order = methods[bi % len(methods):] + methods[:bi % len(methods)]
-        results = {}
-        for m in order:
-            results[m] = run_batch(engines[m], prompts, params)
-        ref = results["none"][0]
-        for m in methods:
-            res, secs = results[m]
-            toks = sum(len(r.token_ids) for r in res)
-            for q, r, b in zip(batch, res, ref):
-                share = secs * len(r.token_ids) / max(toks, 1)
-                mismatch = args.temperature == 0 and r.token_ids != b.token_ids
-                tally.add(m, q["category"], len(r.token_ids), r.forwards, share,
-                          mismatch)
+    try:
+        for bi, batch in enumerate(tqdm(batches, desc="batches")):
+            run_interleaved(engines, methods, batch, bi, tok, params, tally,
+                            greedy=args.temperature == 0)
+    except Exception as e:  # report what was measured before the failure
+        print(f"benchmark stopped early: {type(e).__name__}: {e}")
+        partial = tally.table(methods, list(dict.fromkeys(
+            q["category"] for q in questions)))
+        print(markdown(partial))
+        raise
     stats = {m: engine_stats(engines[m]) for m in methods}
     acceptance = {m: (s["accepted"] / s["drafted"]) if s.get("drafted") else None
                   for m, s in stats.items()}
