@@ -1,0 +1,573 @@
+"""STAND: stochastic adaptive n-gram drafting from the target's own logits.
+
+Song et al., "Accelerated Test-Time Scaling with Model-Free Speculative
+Sampling" (2025). Test-time scaling samples many answers to one prompt; they
+repeat each other's phrases. STAND keeps, per prompt, an n-gram table whose
+values are not counts of emitted tokens but the target's own next-token
+distributions (its top-k at every verified position, rejected draft
+positions included), shared by all samples of that prompt, and drafts from it:
+
+* temperature 0: the most probable path (probs are not needed: vLLM's greedy
+  verification ignores them);
+* temperature T > 0: one sampled chain (vLLM verifies a single chain, so the
+  paper's Gumbel-top-k tree becomes Gumbel-max per position), each token drawn
+  from the stored distribution tempered by the request's T, and that exact
+  distribution is handed to vLLM's rejection sampler as the draft's
+  probability row, so sampled output keeps exactly the target's distribution.
+
+Exactness rules kept here (see docs/stand.md):
+
+1. The row handed over at a position is the distribution the token there was
+   drawn from (float32, sums to 1, q(drafted) > 0).
+2. Whether position j is drafted at all may depend on the tokens drafted
+   before j, never on the token drawn at j: the length rule and the
+   confidences given to the draft-length controller are computed from the
+   distribution at j *before* sampling from it. For controllers whose choice
+   for position j can depend on later positions (``acceptance`` looks at the
+   whole chain), sampled rows are shown to the controller padded to a length
+   fixed before drafting, then cut to what was drafted.
+
+Memory (stated, bounded): at most ``max_stores`` stores, each at most
+``max_entries`` contexts; an entry is ``topk`` (id int32, prob float32) pairs,
+a weight, a key and its LRU link: about 76 + 8 * topk bytes with the
+defaults' topk=8 (~140 B). Defaults: 32 stores x 16384 entries x 140 B
+~ 73 MiB worst case; arrays grow by doubling, so small stores stay small.
+Eviction: least recently used entry within a store (a lookup or an update
+touches it); least recently used store when a new one is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from vllm_plugins.options import Option, unit_float
+from vllm_plugins.proposers.base import PluginProposer, trim
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+
+_MASK = (1 << 63) - 1
+_P1 = 0x100000001B3
+_P2 = 0x9E3779B97F4A7C15
+_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
+# Controllers whose choice for position j depends only on positions <= j
+# (see the module docstring, rule 2).
+PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
+
+
+def context_keys(seq, max_order: int) -> list[int]:
+    """Keys of the contexts ending seq: orders 1..max_order (shorter if seq is)."""
+    keys = []
+    h = 0xCBF29CE484222325
+    n = len(seq)
+    for i in range(1, min(max_order, n) + 1):
+        h = ((h ^ int(seq[n - i])) * _P1) & _MASK
+        keys.append(((h ^ (i * _P2)) * _P1) & _MASK)
+    return keys
+
+
+class NgramStore:
+    """One prompt group's table: context key -> the target's next-token distribution.
+
+    An entry holds up to ``width`` (token, probability) pairs sorted by
+    descending probability (target probabilities at temperature 1; the rest of
+    the mass is unknown) and a weight: the number of observations averaged in,
+    capped at ``history`` so the entry keeps adapting. Prompt-copied entries
+    have weight 0: the first observation by the target replaces them.
+    """
+
+    def __init__(self, width: int, capacity: int, history: int, initial: int = 256):
+        self.width = width
+        self.capacity = capacity
+        self.history = float(history)
+        self.index: OrderedDict[int, int] = OrderedDict()  # key -> slot, LRU order
+        n = min(initial, capacity)
+        self.ids = np.full((n, width), -1, dtype=np.int32)
+        self.probs = np.zeros((n, width), dtype=np.float32)
+        self.weight = np.zeros(n, dtype=np.float32)
+        self.free: list[int] = list(range(n - 1, -1, -1))
+        self.evicted = 0
+        self.seeded = False
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def nbytes(self) -> int:
+        arrays = self.ids.nbytes + self.probs.nbytes + self.weight.nbytes
+        return arrays + 100 * len(self.index)  # OrderedDict node + two ints
+
+    # ------------------------------------------------------------- slots
+    def _grow(self) -> None:
+        n = len(self.weight)
+        m = min(2 * n, self.capacity)
+        self.ids = np.concatenate([self.ids, np.full((m - n, self.width), -1, np.int32)])
+        self.probs = np.concatenate([self.probs, np.zeros((m - n, self.width), np.float32)])
+        self.weight = np.concatenate([self.weight, np.zeros(m - n, np.float32)])
+        self.free.extend(range(m - 1, n - 1, -1))
+
+    def _slot_for(self, key: int) -> int:
+        slot = self.index.get(key)
+        if slot is not None:
+            self.index.move_to_end(key)
+            return slot
+        if not self.free:
+            if len(self.weight) < self.capacity:
+                self._grow()
+            else:
+                _, slot = self.index.popitem(last=False)  # least recently used
+                self.evicted += 1
+                self.free.append(slot)
+        slot = self.free.pop()
+        self.index[key] = slot
+        self.ids[slot] = -1
+        self.probs[slot] = 0.0
+        self.weight[slot] = 0.0
+        return slot
+
+    # ------------------------------------------------------------- learning
+    def observe(self, key: int, ids: np.ndarray, probs: np.ndarray) -> None:
+        """Average the target's distribution (top-k ids, probs) into an entry."""
+        slot = self._slot_for(key)
+        w = float(self.weight[slot])
+        if w == 0.0:  # new, or a prompt seed: the target's view replaces it
+            merged = {int(t): float(p) for t, p in zip(ids, probs) if p > 0.0}
+        else:
+            a = w / (w + 1.0)
+            b = 1.0 / (w + 1.0)
+            merged = {}
+            for t, p in zip(self.ids[slot].tolist(), self.probs[slot].tolist()):
+                if t >= 0:
+                    merged[t] = a * p
+            for t, p in zip(ids.tolist(), probs.tolist()):
+                if p > 0.0:
+                    merged[t] = merged.get(t, 0.0) + b * p
+        self._write(slot, merged)
+        self.weight[slot] = min(w + 1.0, self.history)
+
+    def seed(self, key: int, token: int, prob: float) -> None:
+        """A prompt n-gram: only where the target has not spoken yet."""
+        slot = self.index.get(key)
+        if slot is not None and self.weight[slot] > 0.0:
+            return
+        slot = self._slot_for(key)
+        self.ids[slot] = -1
+        self.probs[slot] = 0.0
+        self.ids[slot, 0] = token
+        self.probs[slot, 0] = prob
+
+    def _write(self, slot: int, merged: dict[int, float]) -> None:
+        top = sorted(merged.items(), key=lambda kv: -kv[1])[:self.width]
+        self.ids[slot] = -1
+        self.probs[slot] = 0.0
+        if top:
+            self.ids[slot, :len(top)] = [t for t, _ in top]
+            self.probs[slot, :len(top)] = [p for _, p in top]
+
+    # ------------------------------------------------------------- lookup
+    def find(self, seq, max_order: int) -> tuple[int, int]:
+        """(slot, order) of the longest stored context ending seq, or (-1, 0)."""
+        keys = context_keys(seq, max_order)
+        for order in range(len(keys), 0, -1):
+            key = keys[order - 1]
+            slot = self.index.get(key)
+            if slot is not None:
+                self.index.move_to_end(key)
+                return slot, order
+        return -1, 0
+
+    def is_seed(self, slot: int) -> bool:
+        return bool(self.weight[slot] == 0.0)
+
+    def entry(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.ids[slot]
+        n = int((ids >= 0).sum())
+        return ids[:n], self.probs[slot, :n]
+
+
+def draft_distribution(probs: np.ndarray, temperature: float, top_k: int = 0,
+                       top_p: float = 1.0) -> tuple[np.ndarray, float]:
+    """The distribution a sampled draft is drawn from, and its confidence.
+
+    ``probs``: an entry's stored probabilities (temperature 1, descending).
+    Returns q (float32, over the same support, sums to 1 after the caller's
+    float64 normalisation of the float32 values; entries that round to 0 are
+    0) and the estimated acceptance of a draft drawn from q: the tempered mass
+    the support covers (if q equals the target restricted to the support, the
+    expected acceptance is exactly that mass).
+    """
+    p = probs.astype(np.float64)
+    n = len(p)
+    if top_k and top_k > 0:
+        n = min(n, top_k)
+    inv_t = 1.0 / temperature
+    # Work in log space so a low temperature does not underflow the top token.
+    logp = np.log(np.maximum(p[:n], 1e-30)) * inv_t
+    logp -= logp.max()
+    w = np.exp(logp)
+    q = w / w.sum()
+    if top_p < 1.0 and n > 1:
+        keep = int(np.searchsorted(np.cumsum(q), top_p) + 1)
+        keep = max(1, min(keep, n))
+        q = q[:keep] / q[:keep].sum()
+        n = keep
+    q32 = q.astype(np.float32)
+    # Coverage at temperature T: the unknown rest (1 - sum p) is made of tokens
+    # no likelier than the least likely stored one.
+    covered = float(p.sum())
+    rest = max(1.0 - covered, 0.0)
+    pmin = float(max(p[len(p) - 1], 1e-30))
+    s_t = float(np.exp(np.log(np.maximum(p[:len(p)], 1e-30)) * inv_t).sum())
+    rest_t = rest * pmin ** (inv_t - 1.0)
+    conf = s_t / (s_t + rest_t) if s_t + rest_t > 0 else 0.0
+    return q32, conf
+
+
+class KindCalibration:
+    """Observed acceptance of drafted tokens, per kind of source entry.
+
+    A kind is (sampled or greedy request, order of the matched context,
+    prompt seed or target-learned entry): 2 * max_order * 2 counters. The
+    confidence of a drafted token is the kind's acceptance estimate scaled by
+    how its entry's own score (stored top-1 probability at temperature 0,
+    tempered coverage otherwise) compares with the kind's average score.
+    Estimates are exponentially discounted (``decay`` per observation) with a
+    Beta prior of mean ``prior`` and weight 2.
+    """
+
+    def __init__(self, max_order: int, prior: float = 0.5, decay: float = 0.995):
+        self.max_order = max_order
+        self.prior = prior
+        self.decay = decay
+        n = 2 * max_order * 2
+        self.accepted = np.zeros(n)
+        self.trials = np.zeros(n)
+        self.score_sum = np.zeros(n)
+
+    def kind(self, sampled: bool, order: int, seed: bool) -> int:
+        return (int(sampled) * self.max_order + (order - 1)) * 2 + int(seed)
+
+    def estimate(self, kind: int) -> float:
+        return float((self.accepted[kind] + 2.0 * self.prior) / (self.trials[kind] + 2.0))
+
+    def confidence(self, kind: int, score: float) -> float:
+        est = self.estimate(kind)
+        if self.trials[kind] >= 1.0 and self.score_sum[kind] > 0:
+            mean_score = self.score_sum[kind] / self.trials[kind]
+            est *= score / mean_score
+        return float(min(max(est, 0.01), 0.99))
+
+    def observe(self, kind: int, score: float, accepted: bool) -> None:
+        d = self.decay
+        self.accepted[kind] = d * self.accepted[kind] + float(accepted)
+        self.trials[kind] = d * self.trials[kind] + 1.0
+        self.score_sum[kind] = d * self.score_sum[kind] + score
+
+    def table(self) -> dict:
+        out = {}
+        for sampled in (False, True):
+            for order in range(1, self.max_order + 1):
+                for seed in (False, True):
+                    k = self.kind(sampled, order, seed)
+                    if self.trials[k] >= 1.0:
+                        name = (f"{'sampled' if sampled else 'greedy'}/order{order}"
+                                f"{'/seed' if seed else ''}")
+                        out[name] = [round(self.estimate(k), 3), round(float(self.trials[k]), 1)]
+        return out
+
+
+class StandProposer(PluginProposer):
+    OPTIONS = (
+        Option("topk", 8, int, lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
+        Option("max_order", 3, int, lambda v: 1 <= v <= 8, "an integer in [1, 8]"),
+        unit_float("min_path_prob", 0.1),
+        Option("calibrate", True, bool),
+        Option("prompt_prob", 0.5, (int, float), lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+        Option("history", 16, int, lambda v: v >= 1, "an integer >= 1"),
+        Option("max_entries", 16384, int, lambda v: v >= 256, "an integer >= 256"),
+        Option("max_stores", 32, int, lambda v: v >= 1, "an integer >= 1"),
+        Option("share", "prompt", str, choices=("prompt", "group", "request")),
+        Option("seed", 0, int, lambda v: v >= 0, "an integer >= 0"),
+        # TEST ONLY: "uniform" hands vLLM a uniform row over the drafted
+        # distribution's support instead of the distribution the token was
+        # drawn from. That is dishonest and biases sampled output; it exists so
+        # the exactness test can show it catches a biased proposer.
+        # "per_request": exact, except for requests whose
+        # SamplingParams.extra_args has {"stand_debug_probs": "uniform"}
+        # (one engine serves both sides of the test).
+        Option("debug_probs", "exact", str,
+               choices=("exact", "uniform", "per_request")),
+    )
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 6
+
+    def __init__(self, vllm_config=None, options: dict | None = None,
+                 vocab_size: int | None = None):
+        super().__init__(vllm_config, options)
+        o = self.options
+        self.TOPK = o["topk"]
+        self.vocab_size = vocab_size or self.vocab_size
+        if self.vocab_size is None:
+            raise ValueError("stand needs the vocabulary size")
+        self.max_order = o["max_order"]
+        self.stores: OrderedDict[object, NgramStore] = OrderedDict()
+        self._req_key: dict[str, object] = {}
+        self._req_rng: dict[str, np.random.Generator] = {}
+        self._rng = np.random.default_rng(o["seed"])
+        self._pad_sampled = o["draft_length"] not in PREFIX_CAUSAL_POLICIES
+        self._real_lengths: list[int] | None = None
+        self.calibration = KindCalibration(self.max_order)
+        # Per request: (kind, score) of each draft handed to vLLM last step.
+        self._pending: dict[str, list[tuple[int, float]]] = {}
+        self._last_kinds: list[list[tuple[int, float]]] | None = None
+        self.evicted_stores = 0
+        self.drafted = {"greedy": 0, "sampled": 0}
+        self.lookups = {"hit": 0, "miss": 0}
+
+    # ------------------------------------------------------------ lifecycle
+    def free(self, req_id: str) -> None:
+        self._req_key.pop(req_id, None)
+        self._req_rng.pop(req_id, None)
+        self._pending.pop(req_id, None)
+
+    def step(self, ctx: StepContext) -> Drafts:
+        self._real_lengths = None
+        self._last_kinds = None
+        drafts = super().step(ctx)
+        if self._real_lengths is not None and len(self._real_lengths) == len(drafts.tokens):
+            drafts = trim(drafts, [min(len(t), n) for t, n in
+                                   zip(drafts.tokens, self._real_lengths)])
+        kinds = self._last_kinds
+        if kinds is not None and len(kinds) == len(drafts.tokens):
+            for r, t, k in zip(ctx.requests, drafts.tokens, kinds):
+                if t:
+                    self._pending[r.req_id] = k[:len(t)]
+                else:
+                    self._pending.pop(r.req_id, None)
+        self._real_lengths = None
+        self._last_kinds = None
+        return drafts
+
+    def _observe_outcomes(self, r: RequestStep) -> None:
+        """Acceptance of last step's drafts, per kind (verified positions only)."""
+        kinds = self._pending.pop(r.req_id, None)
+        if not kinds or r.in_prefill:
+            return
+        n = min(r.num_draft, len(kinds))
+        m = min(r.num_accepted_drafts, n)
+        for j in range(min(n, m + 1)):  # the first rejected one is verified too
+            kind, score = kinds[j]
+            self.calibration.observe(kind, score, j < m)
+
+    def _key_of(self, r: RequestStep) -> object:
+        share = self.options["share"]
+        if share == "prompt":
+            prompt = np.ascontiguousarray(r.context[:r.num_prompt_tokens], dtype=np.int64)
+            return ("p", r.num_prompt_tokens, hash(prompt.tobytes()))
+        if share == "group":
+            return ("g", r.group_id or r.req_id)
+        return ("r", r.req_id)
+
+    def _store_for(self, r: RequestStep) -> NgramStore:
+        key = self._req_key.get(r.req_id)
+        if key is None:
+            key = self._key_of(r)
+            self._req_key[r.req_id] = key
+        store = self.stores.get(key)
+        if store is not None:
+            self.stores.move_to_end(key)
+            return store
+        if len(self.stores) >= self.options["max_stores"]:
+            self.stores.popitem(last=False)  # least recently used store
+            self.evicted_stores += 1
+        store = NgramStore(self.options["topk"], self.options["max_entries"],
+                           self.options["history"])
+        self.stores[key] = store
+        return store
+
+    def _rng_for(self, r: RequestStep) -> np.random.Generator:
+        rng = self._req_rng.get(r.req_id)
+        if rng is None:
+            seed = getattr(r.sampling_params, "seed", None)
+            rng = (np.random.default_rng([int(seed) & _MASK, self.options["seed"]])
+                   if seed is not None else
+                   np.random.default_rng(self._rng.integers(1 << 62)))
+            self._req_rng[r.req_id] = rng
+        return rng
+
+    # ------------------------------------------------------------ learning
+    def _seed(self, store: NgramStore, tokens: np.ndarray) -> None:
+        """Prompt (and output so far) n-grams, before the target has spoken."""
+        store.seeded = True
+        toks = tokens.tolist()
+        prob = float(self.options["prompt_prob"])
+        for end in range(1, len(toks)):
+            nxt = toks[end]
+            for key in context_keys(toks[max(0, end - self.max_order):end],
+                                    self.max_order):
+                store.seed(key, nxt, prob)
+
+    def _learn(self, store: NgramStore, r: RequestStep) -> None:
+        if r.topk_ids is None or len(r.verified_tokens) == 0:
+            return
+        rows = min(len(r.verified_tokens), len(r.topk_ids))
+        base = len(r.context) - len(r.accepted)
+        lo = max(0, base - self.max_order)
+        seq = (np.asarray(r.context[lo:base], dtype=np.int64).tolist()
+               + np.asarray(r.verified_tokens[1:rows], dtype=np.int64).tolist())
+        head = base - lo  # seq[:head] ends with verified_tokens[0]
+        probs = np.exp(np.asarray(r.topk_logprobs[:rows], dtype=np.float64))
+        for j in range(rows):
+            tail = seq[max(0, head + j - self.max_order):head + j]
+            ids = r.topk_ids[j]
+            for key in context_keys(tail, self.max_order):
+                store.observe(key, ids, probs[j])
+
+    # ------------------------------------------------------------ drafting
+    def draft(self, ctx: StepContext) -> Drafts:
+        tokens: list[list[int]] = []
+        probs: list[np.ndarray | None] = []
+        conf: list[np.ndarray | None] = []
+        real: list[int] = []
+        kinds: list[list[tuple[int, float]]] = []
+        any_probs = False
+        # Learn from every request first: samples of one prompt in this batch
+        # draft from each other's newest observations.
+        stores = []
+        for r in ctx.requests:
+            if r.in_prefill:
+                stores.append(None)
+                continue
+            self._observe_outcomes(r)
+            store = self._store_for(r)
+            if not store.seeded:
+                self._seed(store, np.asarray(r.context, dtype=np.int64))
+            self._learn(store, r)
+            stores.append(store)
+        for r, store in zip(ctx.requests, stores):
+            if store is None:
+                tokens.append([])
+                probs.append(None)
+                conf.append(None)
+                real.append(0)
+                kinds.append([])
+                continue
+            length = ctx.max_draft
+            if self.controller is not None and hasattr(self.controller, "max_length"):
+                length = min(length, self.controller.max_length(r.req_id))
+            sampled = r.temperature > _GREEDY_EPS
+            t, p, c, k = self.chain(store, r, length, sampled)
+            real.append(len(t))
+            kinds.append(k)
+            if sampled and self._pad_sampled and length > len(t):
+                # Rule 2: the controller sees a length fixed before drafting.
+                pad = length - len(t)
+                t = t + [t[-1] if t else 0] * pad
+                c = np.concatenate([c, np.full(pad, np.nan, np.float32)])
+            tokens.append(t)
+            probs.append(p)
+            conf.append(c)
+            any_probs = any_probs or p is not None
+        if self._pad_sampled:
+            self._real_lengths = real
+        self._last_kinds = kinds
+        return Drafts(tokens, probs if any_probs else None, conf)
+
+    def chain(self, store: NgramStore, r: RequestStep, length: int, sampled: bool
+              ) -> tuple[list[int], np.ndarray | None, np.ndarray,
+                         list[tuple[int, float]]]:
+        """One request's draft: tokens, probability rows (sampled only),
+        confidences, and each token's (kind, score) for calibration.
+
+        A position's score is read from its stored entry: the stored top-1
+        probability at temperature 0, the tempered coverage of the sampled
+        distribution otherwise. Its confidence is that score, calibrated by
+        the observed acceptance of tokens drafted from entries of the same
+        kind (``calibrate``). The path stops before position j when the
+        running product of confidences (the estimated probability that the
+        whole path is accepted) would fall under ``min_path_prob``; all of it
+        is known before the token at j is drawn.
+        """
+        seq = [int(x) for x in r.context[-self.max_order:]]
+        out: list[int] = []
+        confs: list[float] = []
+        kinds: list[tuple[int, float]] = []
+        rows: list[tuple[np.ndarray, np.ndarray]] = []
+        calibrate = self.options["calibrate"]
+        running = 1.0
+        threshold = self.options["min_path_prob"]
+        params = r.sampling_params
+        top_k = int(getattr(params, "top_k", 0) or 0) if sampled else 0
+        top_p = float(getattr(params, "top_p", 1.0) or 1.0) if sampled else 1.0
+        rng = self._rng_for(r) if sampled else None
+        for _ in range(length):
+            slot, order = store.find(seq, self.max_order)
+            if slot < 0:
+                self.lookups["miss"] += 1
+                break
+            self.lookups["hit"] += 1
+            ids, p = store.entry(slot)
+            if len(ids) == 0:
+                break
+            if sampled:
+                q32, score = draft_distribution(p, r.temperature, top_k, top_p)
+                ids = ids[:len(q32)]
+            else:
+                score = float(p[0])
+            kind = self.calibration.kind(sampled, order, store.is_seed(slot))
+            c = self.calibration.confidence(kind, score) if calibrate else score
+            if running * c < threshold:
+                break
+            running *= c
+            if sampled:
+                # Gumbel-max: argmax(log q + G) is a draw from q.
+                q = q32.astype(np.float64)
+                q /= q.sum()
+                with np.errstate(divide="ignore"):
+                    g = np.log(q) - np.log(-np.log(rng.random(len(q))))
+                x = int(ids[int(np.argmax(g))])
+                rows.append((ids, q32))
+            else:
+                x = int(ids[0])
+            out.append(x)
+            confs.append(c)
+            kinds.append((kind, score))
+            seq.append(x)
+            if len(seq) > self.max_order:
+                seq.pop(0)
+        self.drafted["sampled" if sampled else "greedy"] += len(out)
+        dense = None
+        if sampled and out:
+            dense = np.zeros((len(out), self.vocab_size), dtype=np.float32)
+            dishonest = self._debug_mode(params) == "uniform"
+            for j, (ids, q32) in enumerate(rows):
+                if dishonest:  # TEST ONLY: not the distribution sampled from
+                    dense[j, ids] = np.float32(1.0 / len(ids))
+                else:
+                    dense[j, ids] = q32
+        return out, dense, np.asarray(confs, dtype=np.float32), kinds
+
+    def _debug_mode(self, params) -> str:
+        mode = self.options["debug_probs"]
+        if mode == "per_request":
+            extra = getattr(params, "extra_args", None) or {}
+            mode = extra.get("stand_debug_probs", "exact")
+        return mode
+
+    # ------------------------------------------------------------ metrics
+    def memory_bytes(self) -> int:
+        return sum(s.nbytes() for s in self.stores.values())
+
+    def metrics(self) -> dict:
+        out = super().metrics()
+        out["stand"] = {
+            "stores": len(self.stores),
+            "entries": sum(len(s) for s in self.stores.values()),
+            "bytes": self.memory_bytes(),
+            "evicted_stores": self.evicted_stores,
+            "evicted_entries": sum(s.evicted for s in self.stores.values()),
+            "drafted": dict(self.drafted),
+            "lookups": dict(self.lookups),
+            "live_requests": len(self._req_key),
+            "acceptance_by_kind": self.calibration.table(),
+        }
+        return out

@@ -1,0 +1,485 @@
+"""STAND: store, drafting, probability rows, and exactness against a numpy
+model of vLLM's rejection sampler (fast; no engine)."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from vllm_plugins.proposers.stand import (NgramStore, StandProposer, context_keys,
+                                          draft_distribution)
+from vllm_plugins.step_context import RequestStep, StepContext
+
+V = 12
+
+
+def chi2_pvalue(observed, expected_probs) -> float:
+    """Pearson chi-square p-value (cells with expected < 5 pooled)."""
+    import torch
+
+    observed = np.asarray(observed, dtype=np.float64)
+    n = observed.sum()
+    exp = np.asarray(expected_probs, dtype=np.float64) * n
+    order = np.argsort(exp)
+    obs_c, exp_c = [], []
+    acc_o = acc_e = 0.0
+    for i in order:
+        acc_o += observed[i]
+        acc_e += exp[i]
+        if acc_e >= 5:
+            obs_c.append(acc_o)
+            exp_c.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0 and exp_c:
+        obs_c[-1] += acc_o
+        exp_c[-1] += acc_e
+    obs_c, exp_c = np.array(obs_c), np.array(exp_c)
+    if np.any((exp_c == 0) & (obs_c > 0)):
+        return 0.0
+    stat = float(((obs_c - exp_c) ** 2 / np.maximum(exp_c, 1e-300)).sum())
+    df = len(exp_c) - 1
+    if df <= 0:
+        return 1.0
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def req(req_id, context, accepted, verified=None, topk=None, temperature=0.0,
+        num_prompt=None, group_id="", seed=None, top_k=0, top_p=1.0,
+        extra_args=None):
+    context = np.asarray(context, dtype=np.int64)
+    verified = np.asarray(verified if verified is not None
+                          else ([context[len(context) - len(accepted) - 1]]
+                                if len(accepted) else []), dtype=np.int64)
+    ids = lps = None
+    if topk is not None:
+        width = max(len(row) for row in topk)  # ragged rows: pad with p = 0
+        topk = [list(row) + [(0, 0.0)] * (width - len(row)) for row in topk]
+        ids = np.array([[t for t, _ in row] for row in topk], dtype=np.int64)
+        with np.errstate(divide="ignore"):
+            lps = np.log(np.array([[p for _, p in row] for row in topk],
+                                  dtype=np.float32))
+    params = SimpleNamespace(seed=seed, top_k=top_k, top_p=top_p, n=1,
+                             extra_args=extra_args)
+    return RequestStep(
+        req_id=req_id, accepted=np.asarray(accepted, dtype=np.int64), context=context,
+        num_prompt_tokens=num_prompt if num_prompt is not None else len(context) - len(accepted),
+        num_draft=max(len(verified) - 1, 0), verified_tokens=verified,
+        topk_ids=ids, topk_logprobs=lps, temperature=temperature,
+        sampling_params=params, group_id=group_id)
+
+
+def proposer(**opts):
+    base = {"draft_length": "fixed", "topk": 4, "max_order": 2}
+    return StandProposer(None, {**base, **opts}, vocab_size=V)
+
+
+# ------------------------------------------------------------------- store
+def test_context_keys_differ_by_order_and_content():
+    k = context_keys([1, 2, 3], 3)
+    assert len(k) == 3 and len(set(k)) == 3
+    assert context_keys([9, 2, 3], 3)[:2] == k[:2]  # orders 1, 2 share the tail
+    assert context_keys([9, 2, 3], 3)[2] != k[2]
+    assert context_keys([3], 3) == k[:1]
+
+
+def test_observations_average_and_keep_the_top_width():
+    s = NgramStore(width=2, capacity=16, history=4)
+    s.observe(7, np.array([3, 4]), np.array([0.6, 0.3]))
+    ids, p = s.entry(s.index[7])
+    assert list(ids) == [3, 4] and p == pytest.approx([0.6, 0.3])
+    s.observe(7, np.array([5, 3]), np.array([0.5, 0.4]))
+    ids, p = s.entry(s.index[7])
+    # (0.6 + 0.4) / 2 = 0.5 for 3; 0.25 for 5; 0.15 for 4 drops (width 2)
+    assert list(ids) == [3, 5] and p == pytest.approx([0.5, 0.25])
+    assert s.weight[s.index[7]] == 2
+
+
+def test_weight_caps_so_entries_keep_adapting():
+    s = NgramStore(width=1, capacity=16, history=2)
+    for _ in range(10):
+        s.observe(1, np.array([3]), np.array([1.0]))
+    s.observe(1, np.array([4]), np.array([1.0]))
+    ids, p = s.entry(s.index[1])
+    assert list(ids) == [3] and p[0] == pytest.approx(2 / 3)
+
+
+def test_prompt_seeds_never_overwrite_the_target_and_are_replaced_by_it():
+    s = NgramStore(width=2, capacity=16, history=4)
+    s.seed(1, 9, 0.5)
+    assert list(s.entry(s.index[1])[0]) == [9]
+    s.observe(1, np.array([3, 4]), np.array([0.7, 0.2]))
+    ids, p = s.entry(s.index[1])
+    assert list(ids) == [3, 4] and p == pytest.approx([0.7, 0.2])  # seed gone
+    s.seed(1, 9, 0.5)
+    assert list(s.entry(s.index[1])[0]) == [3, 4]
+
+
+def test_lru_eviction_keeps_entries_bounded():
+    s = NgramStore(width=1, capacity=4, history=4, initial=2)
+    for key in range(4):
+        s.observe(key, np.array([key]), np.array([1.0]))
+    assert len(s) == 4 and s.evicted == 0
+    assert s.find([0], 1) == -1 or True  # keys here are raw ints, not contexts
+    s.index.move_to_end(0)  # 0 was used recently: 1 is now the oldest
+    s.observe(99, np.array([5]), np.array([1.0]))
+    assert len(s) == 4 and s.evicted == 1
+    assert 1 not in s.index and 0 in s.index and 99 in s.index
+    assert len(s.weight) == 4  # never grows past capacity
+
+
+def test_find_prefers_the_longest_context():
+    s = NgramStore(width=1, capacity=16, history=4)
+    k1, k2 = context_keys([5, 6], 2)
+    s.observe(k1, np.array([1]), np.array([0.9]))
+    s.observe(k2, np.array([2]), np.array([0.9]))
+    assert s.entry(s.find([5, 6], 2))[0][0] == 2
+    assert s.entry(s.find([4, 6], 2))[0][0] == 1
+    assert s.find([4, 7], 2) == -1
+
+
+# ------------------------------------------------------------ distributions
+def test_draft_distribution_is_the_tempered_stored_distribution():
+    p = np.array([0.5, 0.3, 0.1], dtype=np.float32)
+    q, c = draft_distribution(p, 1.0)
+    assert q.dtype == np.float32 and q.sum() == pytest.approx(1.0, abs=1e-6)
+    assert q == pytest.approx(p / p.sum(), rel=1e-5)
+    assert c == pytest.approx(0.9, rel=1e-5)
+    q, _ = draft_distribution(p, 0.5)
+    assert q == pytest.approx(p ** 2 / (p ** 2).sum(), rel=1e-5)
+    q, _ = draft_distribution(p, 1.0, top_k=2)
+    assert len(q) == 2 and q == pytest.approx([0.625, 0.375], rel=1e-5)
+    q, _ = draft_distribution(p, 1.0, top_p=0.5)
+    assert len(q) == 1 and q[0] == 1.0
+    # A very low temperature does not underflow the top token.
+    q, _ = draft_distribution(p, 1e-4)
+    assert q[0] == pytest.approx(1.0) and np.isfinite(q).all()
+    # Lower temperature: the unknown tail weighs less, coverage rises.
+    assert draft_distribution(p, 0.5)[1] > draft_distribution(p, 1.0)[1]
+
+
+# ------------------------------------------------------------------ proposer
+def test_bad_option_names_it():
+    with pytest.raises(ValueError, match="min_path_prob"):
+        proposer(min_path_prob=2)
+    with pytest.raises(ValueError, match="share"):
+        proposer(share="everyone")
+
+
+def greedy_history(p):
+    """Prompt [1, 2, 3]; the target verified [3 -> 4 (0.9)] and [4 -> 5 (0.8)]."""
+    ctx = StepContext([req("a", [1, 2, 3, 4, 5], [4, 5], verified=[3, 4],
+                           topk=[[(4, 0.9), (6, 0.05)], [(5, 0.8), (7, 0.1)]],
+                           num_prompt=3)], max_draft=4)
+    return p.step(ctx)
+
+
+def test_greedy_drafts_the_most_probable_path_without_probs():
+    p = proposer(min_path_prob=0.01)
+    greedy_history(p)
+    # A new request of another prompt that ends in 3: its own prompt seeds only.
+    ctx = StepContext([req("b", [9, 3, 4], [4], verified=[3], topk=[[(4, 0.9)]],
+                           num_prompt=2)], max_draft=4)
+    d = p.step(ctx)
+    assert d.tokens[0] == []  # different prompt: a different store
+    # Same prompt as "a": shared store; after ...3, 4 comes 5 (0.8), then 5 -> ?
+    ctx = StepContext([req("c", [1, 2, 3, 4], [4], verified=[3], topk=[[(4, 0.9)]],
+                           num_prompt=3)], max_draft=4)
+    d = p.step(ctx)
+    assert d.tokens[0][:1] == [5]
+    assert d.probs is None
+    assert d.confidence[0][0] == pytest.approx(0.8, rel=1e-5)
+
+
+def test_path_stops_under_min_path_prob():
+    p = proposer(min_path_prob=0.5, max_order=1, share="request")
+    ctx = StepContext([req("a", [1, 2, 3, 4, 5], [4, 5], verified=[3, 4],
+                           topk=[[(4, 0.9)], [(5, 0.6)]], num_prompt=3)], max_draft=4)
+    p.step(ctx)
+    # From 3: 4 (0.9), then 5 (0.9 * 0.6 = 0.54), then 5 -> nothing.
+    ctx = StepContext([req("a", [1, 2, 3, 4, 5, 6, 3], [6, 3], verified=[5, 6],
+                           topk=[[(6, 0.99)], [(3, 0.99)]], num_prompt=3)],
+                      max_draft=6)
+    d = p.step(ctx)
+    # 3 -> 4 (0.9), 4 -> 5 (0.54), 5 -> 6 (0.535), 6 -> 3 (0.53), 3 -> 4 (0.477 < 0.5)
+    assert d.tokens[0] == [4, 5, 6, 3]
+
+
+def sampled_setup(temperature=1.0, **opts):
+    p = proposer(min_path_prob=0.0, max_order=1, share="request", **opts)
+    # Context token 3 -> {4: 0.5, 6: 0.3, 7: 0.1}; 4 -> {5: 0.6, 8: 0.2}.
+    ctx = StepContext([req("a", [1, 2, 3, 4, 5], [4, 5], verified=[3, 4],
+                           topk=[[(4, 0.5), (6, 0.3), (7, 0.1)],
+                                 [(5, 0.6), (8, 0.2)]], num_prompt=3,
+                           temperature=temperature)], max_draft=4)
+    p.step(ctx)
+    return p
+
+
+def test_sampled_drafts_come_with_honest_probability_rows():
+    p = sampled_setup()
+    seen = {}
+    for i in range(400):
+        ctx = StepContext([req("a", [1, 2, 3], [3], verified=[2], topk=None,
+                               num_prompt=2, temperature=1.0)], max_draft=2)
+        # No topk: nothing new learned, the store stays fixed.
+        d = p.step(ctx)
+        toks, rows = d.tokens[0], d.probs[0]
+        assert rows.shape == (len(toks), V) and rows.dtype == np.float32
+        assert rows.sum(1) == pytest.approx(1.0, abs=1e-6)
+        for j, t in enumerate(toks):
+            assert rows[j, t] > 0
+        assert rows[0, [4, 6, 7]] == pytest.approx(np.array([5, 3, 1]) / 9, rel=1e-5)
+        seen[toks[0]] = seen.get(toks[0], 0) + 1
+        if toks[0] == 4:
+            assert len(toks) == 2 and rows[1, [5, 8]] == pytest.approx([0.75, 0.25])
+        else:
+            assert len(toks) == 1  # nothing known after 6 or 7
+    pv = chi2_pvalue([seen.get(t, 0) for t in (4, 6, 7)], np.array([5, 3, 1]) / 9)
+    assert pv > 1e-3
+
+
+def test_rows_follow_the_request_temperature():
+    p = sampled_setup()
+    ctx = StepContext([req("a", [1, 2, 3], [3], verified=[2], num_prompt=2,
+                           temperature=0.5)], max_draft=1)
+    rows = p.step(ctx).probs[0]
+    want = np.array([0.25, 0.09, 0.01])
+    assert rows[0, [4, 6, 7]] == pytest.approx(want / want.sum(), rel=1e-5)
+
+
+def test_mixed_batch_greedy_rows_have_no_probs():
+    p = sampled_setup()
+    ctx = StepContext([
+        req("a", [1, 2, 3], [3], verified=[2], num_prompt=2, temperature=1.0),
+        req("g", [1, 2, 3], [3], verified=[2], num_prompt=2, temperature=0.0),
+        req("x", [1, 2], [], num_prompt=2),  # prefill
+    ], max_draft=2)
+    d = p.step(ctx)
+    assert d.probs[1] is None and d.probs[2] is None and d.tokens[2] == []
+    assert d.tokens[1] == []  # share="request": "g" has its own, empty store
+    assert d.probs[0] is not None
+
+
+def test_seeded_requests_draw_reproducibly():
+    outs = []
+    for _ in range(2):
+        p = sampled_setup()
+        ctx = StepContext([req("z", [1, 2, 3], [3], verified=[2], num_prompt=2,
+                               temperature=1.0, seed=7)], max_draft=2)
+        outs.append([p.step(ctx).tokens[0] for _ in range(1)])
+    assert outs[0] == outs[1]
+
+
+def test_samples_of_one_prompt_share_a_store_by_prompt_or_group():
+    for share, shared in (("prompt", True), ("group", True), ("request", False)):
+        p = proposer(share=share, min_path_prob=0.0)
+        ctx = StepContext([
+            req("0_x", [1, 2, 3, 4], [4], verified=[3], topk=[[(4, 0.9)]],
+                num_prompt=3, group_id="x"),
+            req("1_x", [1, 2, 3, 9], [9], verified=[3], topk=[[(9, 0.5)]],
+                num_prompt=3, group_id="x"),
+        ], max_draft=3)
+        p.step(ctx)
+        # Sample 1_x now learns 9 -> 4 and drafts; sample 0_x sees 1_x's data.
+        ctx = StepContext([req("0_x", [1, 2, 3, 4, 2, 3], [2, 3], verified=[4, 2],
+                               topk=[[(2, 0.9)], [(4, 0.6), (9, 0.4)]],
+                               num_prompt=3, group_id="x")], max_draft=3)
+        p.step(ctx)
+        ctx = StepContext([req("1_x", [1, 2, 3, 9, 1, 2], [1, 2], verified=[9, 1],
+                               topk=[[(1, 0.9)], [(3, 0.9)]],
+                               num_prompt=3, group_id="x")], max_draft=3)
+        d = p.step(ctx)
+        # 1_x after (1, 2): its own data says 3; then after (2, 3) only 0_x's
+        # observation (4: 0.6, mixed with 1_x's verified 3 -> 9 at order 1).
+        assert d.tokens[0][0] == 3
+        if shared:
+            assert len(d.tokens[0]) >= 2 and d.tokens[0][1] == 4, share
+            assert len(p.stores) == 1
+        else:
+            assert len(p.stores) == 2
+        assert p.metrics()["stand"]["stores"] == len(p.stores)
+
+
+def test_store_count_is_capped_and_requests_are_freed():
+    p = proposer(max_stores=2)
+    for i in range(5):
+        ctx = StepContext([req(f"r{i}", [100 + i, 3, 4], [4], verified=[3],
+                               topk=[[(4, 0.9)]], num_prompt=2)], max_draft=2)
+        p.step(ctx)
+    assert len(p.stores) == 2 and p.evicted_stores == 3
+    assert len(p._req_key) == 5
+    p.step(StepContext([], finished={f"r{i}" for i in range(5)}))
+    assert not p._req_key and not p._req_rng
+
+
+def test_memory_stays_under_the_stated_bound():
+    p = proposer(max_entries=256, max_stores=2, topk=2, max_order=3)
+    rng = np.random.default_rng(0)
+    for i in range(60):
+        ctx_toks = rng.integers(0, V, size=40)
+        ctx = StepContext([req(f"q{i % 3}", ctx_toks, ctx_toks[-3:],
+                               verified=ctx_toks[-4:-1],
+                               topk=[[(int(a), 0.5), (int(b), 0.2)]
+                                     for a, b in rng.integers(0, V, size=(3, 2))],
+                               num_prompt=30)], max_draft=3)
+        p.step(ctx)
+    m = p.metrics()["stand"]
+    assert m["entries"] <= 2 * 256
+    assert all(len(s.weight) <= 256 for s in p.stores.values())
+    assert m["bytes"] <= 2 * 256 * (8 + 2 * 8 + 4 + 100)
+
+
+def test_internal_error_costs_drafts_not_the_engine():
+    p = proposer()
+    bad = req("a", [1, 2, 3], [3], verified=[2], num_prompt=2)
+    bad.context = None  # breaks drafting
+    d = p.step(StepContext([bad], max_draft=2))
+    assert d.tokens == [[]] and p.num_errors == 1
+
+
+# ------------------------------------------------------------- exactness
+# A numpy model of vLLM's rejection sampler (v1/sample/rejection_sampler.py,
+# rejection_random_sample_kernel + sample_recovered_tokens): accept draft x with
+# probability min(1, p(x) / q(x)); on rejection draw from max(p - q, 0); after
+# the last accepted draft a bonus token from p.
+
+P1 = np.array([0.05, 0, 0, 0, 0.4, 0.05, 0.3, 0.2, 0, 0, 0, 0])     # after 3
+P2 = {t: np.roll(np.array([0.5, 0.2, 0.1, 0.1, 0.1] + [0] * 7), t) for t in range(V)}
+
+
+def _target(dist, temperature):
+    w = dist ** (1.0 / temperature)
+    return w / w.sum()
+
+
+def _sample(rng, dist):
+    return int(rng.choice(len(dist), p=dist / dist.sum()))
+
+
+def _run_exactness(p, temperature, trials, seed=0, extra_args=None):
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((V, V))
+    for _ in range(trials):
+        ctx = StepContext([req("a", [1, 2, 3], [3], verified=[2], num_prompt=2,
+                               temperature=temperature, extra_args=extra_args)],
+                          max_draft=2)
+        d = p.step(ctx)
+        toks = d.tokens[0]
+        rows = d.probs[0] if d.probs is not None else None
+        out = []
+        targets = [_target(P1, temperature)]
+        for j, x in enumerate(toks):
+            tp = targets[j]
+            q = rows[j].astype(np.float64)
+            if rng.random() < min(1.0, tp[x] / q[x]):
+                out.append(x)
+                targets.append(_target(P2[x], temperature))
+            else:
+                out.append(_sample(rng, np.maximum(tp - q, 0)))
+                break
+        while len(out) < 2:  # bonus / next steps
+            tp = _target(P1 if not out else P2[out[0]], temperature)
+            out.append(_sample(rng, tp))
+        counts[out[0], out[1]] += 1
+    want = _target(P1, temperature)[:, None] * np.stack(
+        [_target(P2[t], temperature) for t in range(V)])
+    return chi2_pvalue(counts.ravel(), want.ravel())
+
+
+def _exactness_proposer(debug="exact"):
+    # The store believes something else than the target: q != p, and the
+    # second position's distribution (and whether it is drafted at all)
+    # depends on the first drafted token.
+    p = proposer(min_path_prob=0.3, max_order=1, share="request", debug_probs=debug)
+    ctx = StepContext([req("a", [1, 2, 3, 4, 6, 7], [4, 6, 7], verified=[3, 4, 6],
+                           topk=[[(4, 0.7), (6, 0.2), (0, 0.05)],
+                                 [(0, 0.3), (5, 0.3), (6, 0.2)],
+                                 [(6, 0.5), (7, 0.4)]],
+                           num_prompt=2, temperature=1.0)], max_draft=2)
+    p.step(ctx)
+    return p
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_rejection_sampling_with_our_rows_keeps_the_target_distribution(temperature):
+    assert _run_exactness(_exactness_proposer(), temperature, 6000) > 0.01
+
+
+def test_the_exactness_check_catches_dishonest_rows():
+    assert _run_exactness(_exactness_proposer("uniform"), 1.0, 6000) < 1e-4
+
+
+def test_per_request_debug_rows_only_for_the_marked_request():
+    p = _exactness_proposer("per_request")
+    dishonest = {"stand_debug_probs": "uniform"}
+    assert _run_exactness(p, 1.0, 6000, extra_args=dishonest) < 1e-4
+    assert _run_exactness(p, 1.0, 3000, seed=1) > 0.01
+
+
+def test_acceptance_policy_sees_a_length_fixed_before_drafting():
+    """Rule 2: a controller that looks at the whole chain must not learn how
+    long the sampled chain is (that depends on the sampled tokens)."""
+    p = sampled_setup(draft_length="acceptance")
+    seen = []
+    original = p.controller.decide
+
+    def spy(ctx, drafts):
+        seen.append([len(t) for t in drafts.tokens])
+        return original(ctx, drafts)
+
+    p.controller.decide = spy
+    lengths = set()
+    for _ in range(50):
+        ctx = StepContext([req("a", [1, 2, 3], [3], verified=[2], num_prompt=2,
+                               temperature=1.0)], max_draft=3)
+        d = p.step(ctx)
+        lengths.add(len(d.tokens[0]))
+        assert len(d.probs[0]) == len(d.tokens[0])
+    assert {s[0] for s in seen} == {3}   # always the padded length
+    assert lengths <= {0, 1, 2} and len(lengths) >= 2  # real drafts still vary
+
+
+def test_samples_of_one_request_share_the_bridges_group_id():
+    """Pins vLLM's child naming (v1/engine/parallel_sampling.py,
+    ParentRequest.get_child_info: f"{index}_{request_id}", child n = 1) to
+    vllm_plugins.bridge._group_of."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    from vllm_plugins.bridge import _group_of
+
+    parent_id = "chat-42-1a2b3c4d"
+    parent = ParentRequest(SimpleNamespace(
+        request_id=parent_id, external_req_id="chat-42",
+        params=SamplingParams(n=4, temperature=1.0, seed=3)))
+    groups = set()
+    for i in range(4):
+        child_id, child_params = parent.get_child_info(i)
+        assert child_params.n == 1
+        groups.add(_group_of(child_id, SimpleNamespace(sampling_params=child_params)))
+    assert groups == {parent_id}
+    alone = SimpleNamespace(sampling_params=SamplingParams(n=1))
+    assert _group_of("b7-3-9f8e7d6c", alone) == "b7-3-9f8e7d6c"
+
+
+def test_cpu_verification_gets_real_temperatures():
+    """vLLM 0.32's CPU expand kernel loses float/int32 outputs; the bridge's
+    replacement must spread per-request values over draft rows exactly."""
+    import torch
+
+    import vllm.v1.sample.rejection_sampler as rs
+    from vllm.triton_utils import HAS_TRITON
+
+    from vllm_plugins.bridge import _patch_cpu_expand
+
+    if HAS_TRITON:
+        pytest.skip("Triton present: vLLM's own kernel runs")
+    _patch_cpu_expand()
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    got = rs.expand_batch_to_tokens(torch.tensor([0.8, 0.3, 0.0]), cu, 5,
+                                    replace_from=0, replace_to=1)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0])
+    got = rs.expand_batch_to_tokens(torch.tensor([3, 9, 7], dtype=torch.int32), cu, 5)
+    assert got.dtype == torch.int32 and got.tolist() == [3, 3, 7, 7, 7]
