@@ -27,18 +27,20 @@ Exactness rules kept here (see docs/stand.md):
    whole chain), sampled rows are shown to the controller padded to a length
    fixed before drafting, then cut to what was drafted.
 
-Memory (stated, bounded): at most ``max_stores`` stores, each at most
-``max_entries`` contexts; an entry is ``topk`` (id int32, prob float32) pairs,
-a weight, a key and its LRU link: about 76 + 8 * topk bytes with the
-defaults' topk=8 (~140 B). Defaults: 32 stores x 16384 entries x 140 B
-~ 73 MiB worst case; arrays grow by doubling, so small stores stay small.
-Eviction: least recently used entry within a store (a lookup or an update
-touches it); least recently used store when a new one is needed.
+Memory (stated, bounded): ``max_entries`` contexts in all stores together
+(default 2^18). An entry is ``topk`` (token int32, probability float32) pairs
+and a weight in numpy arrays (68 B at topk=8; arrays grow by doubling, so up
+to 2x that allocated) plus its LRU index node in an OrderedDict (~200 B):
+at most ~340 B per entry, ~85 MiB at the defaults, whatever the number of
+requests. Eviction, checked once per engine step: stores with no live
+request go first, least recently used first; then every live store drops its
+least recently used entries in proportion to its size. Idle stores are also
+kept to ``max_stores`` (least recently used dropped first); a store with live
+requests is never dropped (that would make them re-seed every step).
 """
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import numpy as np
@@ -95,7 +97,14 @@ class NgramStore:
 
     def nbytes(self) -> int:
         arrays = self.ids.nbytes + self.probs.nbytes + self.weight.nbytes
-        return arrays + 100 * len(self.index)  # OrderedDict node + two ints
+        return arrays + 200 * len(self.index)  # OrderedDict node + two ints
+
+    def evict_lru(self, count: int) -> None:
+        """Drop the ``count`` least recently used entries."""
+        for _ in range(min(count, len(self.index))):
+            _, slot = self.index.popitem(last=False)
+            self.free.append(slot)
+            self.evicted += 1
 
     # ------------------------------------------------------------- slots
     def _grow(self) -> None:
@@ -284,8 +293,8 @@ class StandProposer(PluginProposer):
         Option("calibrate", True, bool),
         Option("prompt_prob", 0.5, (int, float), lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
         Option("history", 16, int, lambda v: v >= 1, "an integer >= 1"),
-        Option("max_entries", 16384, int, lambda v: v >= 256, "an integer >= 256"),
-        Option("max_stores", 32, int, lambda v: v >= 1, "an integer >= 1"),
+        Option("max_entries", 1 << 18, int, lambda v: v >= 256, "an integer >= 256"),
+        Option("max_stores", 64, int, lambda v: v >= 1, "an integer >= 1"),
         Option("share", "prompt", str, choices=("prompt", "group", "request")),
         Option("seed", 0, int, lambda v: v >= 0, "an integer >= 0"),
         # TEST ONLY: "uniform" hands vLLM a uniform row over the drafted
@@ -310,6 +319,7 @@ class StandProposer(PluginProposer):
             raise ValueError("stand needs the vocabulary size")
         self.max_order = o["max_order"]
         self.stores: OrderedDict[object, NgramStore] = OrderedDict()
+        self._live: dict[object, int] = {}  # store key -> live requests
         self._req_key: dict[str, object] = {}
         self._req_rng: dict[str, np.random.Generator] = {}
         self._rng = np.random.default_rng(o["seed"])
@@ -319,13 +329,41 @@ class StandProposer(PluginProposer):
         # Per request: (kind, score) of each draft handed to vLLM last step.
         self._pending: dict[str, list[tuple[int, float]]] = {}
         self._last_kinds: list[list[tuple[int, float]]] | None = None
+        # Per-request state is also swept after SWEEP_STEPS steps unseen: the
+        # bridge can miss a finish notice (it arrives on a step that schedules
+        # no tokens, where vLLM's runner returns before proposing).
+        self._last_seen: dict[str, int] = {}
+        self._steps = 0
+        self.swept_requests = 0
         self.evicted_stores = 0
+        self.stores_created = 0
         self.drafted = {"greedy": 0, "sampled": 0}
         self.lookups = {"hit": 0, "miss": 0}
 
     # ------------------------------------------------------------ lifecycle
+    SWEEP_STEPS = 256
+
+    def _sweep(self, ctx: StepContext) -> None:
+        self._steps += 1
+        for r in ctx.requests:
+            self._last_seen[r.req_id] = self._steps
+        if self._steps % 64:
+            return
+        stale = [q for q, seen in self._last_seen.items()
+                 if seen < self._steps - self.SWEEP_STEPS]
+        for q in stale:
+            self.free(q)
+            self.swept_requests += 1
+
     def free(self, req_id: str) -> None:
-        self._req_key.pop(req_id, None)
+        self._last_seen.pop(req_id, None)
+        key = self._req_key.pop(req_id, None)
+        if key is not None:
+            left = self._live.get(key, 0) - 1
+            if left > 0:
+                self._live[key] = left
+            else:
+                self._live.pop(key, None)
         self._req_rng.pop(req_id, None)
         self._pending.pop(req_id, None)
 
@@ -372,16 +410,22 @@ class StandProposer(PluginProposer):
         if key is None:
             key = self._key_of(r)
             self._req_key[r.req_id] = key
+            self._live[key] = self._live.get(key, 0) + 1
         store = self.stores.get(key)
         if store is not None:
             self.stores.move_to_end(key)
             return store
         if len(self.stores) >= self.options["max_stores"]:
-            self.stores.popitem(last=False)  # least recently used store
-            self.evicted_stores += 1
+            # Least recently used stores without requests, down to the cap.
+            for idle in [k for k in self.stores if k not in self._live]:
+                del self.stores[idle]
+                self.evicted_stores += 1
+                if len(self.stores) < self.options["max_stores"]:
+                    break
         store = NgramStore(self.options["topk"], self.options["max_entries"],
                            self.options["history"])
         self.stores[key] = store
+        self.stores_created += 1
         return store
 
     def _rng_for(self, r: RequestStep) -> np.random.Generator:
@@ -393,6 +437,21 @@ class StandProposer(PluginProposer):
                    np.random.default_rng(self._rng.integers(1 << 62)))
             self._req_rng[r.req_id] = rng
         return rng
+
+    def _enforce_budget(self) -> None:
+        """At most max_entries entries in all stores together (see module doc)."""
+        budget = self.options["max_entries"]
+        total = sum(len(s) for s in self.stores.values())
+        if total <= budget:
+            return
+        for key in [k for k in self.stores if k not in self._live]:
+            total -= len(self.stores.pop(key))
+            self.evicted_stores += 1
+            if total <= budget:
+                return
+        excess = total - budget
+        for store in sorted(self.stores.values(), key=len, reverse=True):
+            store.evict_lru(-(-excess * len(store) // total))  # ceil
 
     # ------------------------------------------------------------ learning
     def _seed(self, store: NgramStore, tokens: np.ndarray) -> None:
@@ -430,6 +489,7 @@ class StandProposer(PluginProposer):
         real: list[int] = []
         kinds: list[list[tuple[int, float]]] = []
         any_probs = False
+        self._sweep(ctx)
         # Learn from every request first: samples of one prompt in this batch
         # draft from each other's newest observations.
         stores = []
@@ -443,6 +503,7 @@ class StandProposer(PluginProposer):
                 self._seed(store, np.asarray(r.context, dtype=np.int64))
             self._learn(store, r)
             stores.append(store)
+        self._enforce_budget()
         for r, store in zip(ctx.requests, stores):
             if store is None:
                 tokens.append([])
@@ -563,11 +624,14 @@ class StandProposer(PluginProposer):
             "stores": len(self.stores),
             "entries": sum(len(s) for s in self.stores.values()),
             "bytes": self.memory_bytes(),
+            "stores_created": self.stores_created,
             "evicted_stores": self.evicted_stores,
             "evicted_entries": sum(s.evicted for s in self.stores.values()),
             "drafted": dict(self.drafted),
             "lookups": dict(self.lookups),
             "live_requests": len(self._req_key),
+            "live_stores": len(self._live),
+            "swept_requests": self.swept_requests,
             "acceptance_by_kind": self.calibration.table(),
         }
         return out
