@@ -2,7 +2,7 @@
 per-token mask time.
 
     python -m vllm_plugins.logits_processors.bench_grammar \
-        [--schemas /work/shared/data/json_schemas_dev.jsonl] [--tokens 64] [--batch 1 8]
+        [--schemas SHARED_DATA/json_schemas_dev.jsonl] [--tokens 64] [--batch 1 8]
 
 For every schema (one JSON object per line with a "schema" field, as in
 json_schemas_dev.jsonl) the request is compiled exactly as
@@ -38,7 +38,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-DEFAULT_SCHEMAS = "/work/shared/data/json_schemas_dev.jsonl"
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -76,7 +75,8 @@ class _Timed:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--schemas", default=DEFAULT_SCHEMAS)
+    ap.add_argument("--schemas", default=None,
+                    help="default: json_schemas_dev.jsonl of the shared data")
     ap.add_argument("--tokens", type=int, default=64, help="max decode steps per schema walk")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--limit", type=int, default=0, help="use only the first N schemas")
@@ -99,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
     from vllm_plugins.logits_processors.spec import GrammarSpecError, compile_grammar_request
 
+    if args.schemas is None:
+        from vllm_plugins.bench.data import shared_data
+
+        args.schemas = shared_data("json_schemas_dev.jsonl")
     rows = [json.loads(line) for line in Path(args.schemas).read_text().splitlines() if line.strip()]
     if args.limit:
         rows = rows[: args.limit]

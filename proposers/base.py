@@ -28,7 +28,8 @@ class PluginProposer:
     # (0: the method does not learn from logits).
     TOPK = 0
 
-    def __init__(self, vllm_config: Any = None, options: dict | None = None):
+    def __init__(self, vllm_config: Any = None, options: dict | None = None,
+                 vocab_size: int | None = None):
         from vllm_plugins.options import resolve
         from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
 
@@ -40,9 +41,11 @@ class PluginProposer:
         self.options = resolve(type(self).__name__, self.OPTIONS, given)
         self.max_draft = int(getattr(spec, "num_speculative_tokens", None)
                              or self.DEFAULT_NUM_SPECULATIVE_TOKENS)
-        self.vocab_size = None
+        self.vocab_size = vocab_size
         if vllm_config is not None:
             self.vocab_size = vllm_config.model_config.get_vocab_size()
+        if "topk" in self.options:  # methods that learn from the target's top-k
+            self.TOPK = self.options["topk"]
         self.controller = self._make_controller()
         self.num_errors = 0
         self._logged_error = False
@@ -87,6 +90,13 @@ class PluginProposer:
 
     def draft(self, ctx: StepContext) -> Drafts:
         raise NotImplementedError
+
+    def draft_budget(self, ctx: StepContext, req_id: str) -> int:
+        """The most tokens worth drafting for a request this step."""
+        length = ctx.max_draft
+        if self.controller is not None and hasattr(self.controller, "max_length"):
+            length = min(length, self.controller.max_length(req_id))
+        return length
 
     def free(self, req_id: str) -> None:
         """Drop per-request state of a finished or aborted request."""

@@ -311,10 +311,8 @@ class StandProposer(PluginProposer):
 
     def __init__(self, vllm_config=None, options: dict | None = None,
                  vocab_size: int | None = None):
-        super().__init__(vllm_config, options)
+        super().__init__(vllm_config, options, vocab_size)
         o = self.options
-        self.TOPK = o["topk"]
-        self.vocab_size = vocab_size or self.vocab_size
         if self.vocab_size is None:
             raise ValueError("stand needs the vocabulary size")
         self.max_order = o["max_order"]
@@ -512,9 +510,7 @@ class StandProposer(PluginProposer):
                 real.append(0)
                 kinds.append([])
                 continue
-            length = ctx.max_draft
-            if self.controller is not None and hasattr(self.controller, "max_length"):
-                length = min(length, self.controller.max_length(r.req_id))
+            length = self.draft_budget(ctx, r.req_id)
             sampled = r.temperature > _GREEDY_EPS
             t, p, c, k = self.chain(store, r, length, sampled)
             real.append(len(t))

@@ -160,13 +160,11 @@ class TokenRecyclingProposer(PluginProposer):
 
     def __init__(self, vllm_config=None, options: dict | None = None,
                  vocab_size: int | None = None):
-        super().__init__(vllm_config, options)
+        super().__init__(vllm_config, options, vocab_size)
         o = self.options
-        self.TOPK = o["topk"]
-        vocab = vocab_size or self.vocab_size
-        if vocab is None:
+        if self.vocab_size is None:
             raise ValueError("token_recycling needs the vocabulary size")
-        self.tables = RecyclingTables(vocab, o["topk"], o["context_order"],
+        self.tables = RecyclingTables(self.vocab_size, o["topk"], o["context_order"],
                                       o["context_slots"])
         if o["warm_start_path"] and os.path.exists(o["warm_start_path"]):
             self.tables.load(o["warm_start_path"])
@@ -212,9 +210,7 @@ class TokenRecyclingProposer(PluginProposer):
                 tokens.append([])
                 conf.append(None)
                 continue
-            length = ctx.max_draft
-            if self.controller is not None and hasattr(self.controller, "max_length"):
-                length = min(length, self.controller.max_length(r.req_id))
+            length = self.draft_budget(ctx, r.req_id)
             tail = [int(x) for x in r.context[-order:]]
             toks, c = self.tables.chain(tail, length, self.options["min_confidence"])
             tokens.append(toks)

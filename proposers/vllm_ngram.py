@@ -42,9 +42,7 @@ class AdaptiveNgramProposer(PluginProposer):
             if r.in_prefill:
                 out.append([])
                 continue
-            k = ctx.max_draft
-            if self.controller is not None and hasattr(self.controller, "max_length"):
-                k = min(k, self.controller.max_length(r.req_id))
+            k = self.draft_budget(ctx, r.req_id)
             if k <= 0:
                 out.append([])
                 continue

@@ -16,13 +16,14 @@ import textwrap
 
 import pytest
 
+from vllm_plugins.bench.data import shared_data
+
 pytestmark = pytest.mark.slow
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("vllm")
 
 FQCN = "vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor"
-DEV_SCHEMAS = "/work/shared/data/json_schemas_dev.jsonl"
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # collective_rpc with a Python callable (used to look inside the worker)
@@ -106,7 +107,7 @@ def test_engine_runs_exactly_one_active_grammar_processor(llm):
 
 
 def test_json_schemas_from_dev_set_validate(llm):
-    rows = {r["name"]: r for r in map(json.loads, open(DEV_SCHEMAS))}
+    rows = {r["name"]: r for r in map(json.loads, open(shared_data("json_schemas_dev.jsonl")))}
     schemas = [rows[name]["schema"] for name in E2E_SCHEMAS]
     tok = llm.get_tokenizer()
     prompts = [_chat_prompt(tok, s) for s in schemas]

@@ -34,6 +34,7 @@ import pytest
 
 llguidance = pytest.importorskip("llguidance")
 
+from vllm_plugins.bench.data import shared_data  # noqa: E402
 from vllm_plugins.logits_processors.spec import (  # noqa: E402
     GrammarSpecError,
     compile_grammar_request,
@@ -42,9 +43,9 @@ from vllm_plugins.logits_processors.spec import (  # noqa: E402
 HERE = Path(__file__).parent
 GAPS_FILE = HERE / "data" / "grammar_suite_known_gaps.json"
 SUITE_ROOTS = [
-    Path(os.environ.get("JSON_SCHEMA_TEST_SUITE", "/work/shared/data/json-schema-test-suite"))
-    / "tests"
-    / "draft2020-12",
+    Path(os.environ["JSON_SCHEMA_TEST_SUITE"]) / "tests" / "draft2020-12"
+    if "JSON_SCHEMA_TEST_SUITE" in os.environ
+    else shared_data("json-schema-test-suite") / "tests" / "draft2020-12",
     HERE / "data" / "json-schema-test-suite" / "tests" / "draft2020-12",
 ]
 

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import time
-from pathlib import Path
 
 DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling"]
 
@@ -70,7 +66,7 @@ def main(argv=None) -> int:
     from vllm_plugins.bench.engines import (METHOD_CONFIGS, build_engine,
                                             engine_stats, run_batch,
                                             suffix_available)
-    from vllm_plugins.bench.report import Tally, markdown, plot
+    from vllm_plugins.bench.report import Tally, markdown, title, write
 
     model = args.model
     if model is None:
@@ -125,18 +121,7 @@ def main(argv=None) -> int:
                   for m, s in stats.items()}
     categories = list(dict.fromkeys(q["category"] for q in questions))
     rows = tally.table(methods, categories, acceptance)
-    table = markdown(rows)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    title = (f"{Path(model).name} batch={args.batch_size} T={args.temperature} "
-             f"max_tokens={args.max_tokens} {platform.processor() or platform.machine()}"
-             f" {os.cpu_count()} cpus {stamp}")
-    plot(rows, str(out / "bench.png"), title)
-    (out / "bench.md").write_text(f"{title}\n\n{table}\n")
-    (out / "bench.json").write_text(json.dumps(
-        {"args": vars(args), "rows": rows, "engine_stats": stats}, indent=1,
-        default=str))
-    print(f"\nwrote {out}/bench.md, bench.png, bench.json")
+    heading = title(model, f"batch={args.batch_size} T={args.temperature} "
+                           f"max_tokens={args.max_tokens}")
+    write(args.out, "bench", rows, heading, {"args": vars(args), "engine_stats": stats})
     return 0

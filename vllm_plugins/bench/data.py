@@ -7,18 +7,22 @@ import os
 from pathlib import Path
 
 
-def spec_bench_path() -> Path:
-    """The dev split: $VLLM_PLUGINS_DATA or ../shared/data beside the repo."""
+def shared_data(name: str) -> Path:
+    """A file or folder of the shared data: $VLLM_PLUGINS_DATA, else the
+    nearest shared/data beside the repo."""
     env = os.environ.get("VLLM_PLUGINS_DATA")
     roots = [Path(env)] if env else []
     here = Path(__file__).resolve()
     roots += [p / "shared" / "data" for p in here.parents]
     for root in roots:
-        f = root / "spec_bench_dev.jsonl"
+        f = root / name
         if f.exists():
             return f
-    raise FileNotFoundError(
-        "spec_bench_dev.jsonl not found; set VLLM_PLUGINS_DATA to its folder")
+    raise FileNotFoundError(f"{name} not found; set VLLM_PLUGINS_DATA to its folder")
+
+
+def spec_bench_path() -> Path:
+    return shared_data("spec_bench_dev.jsonl")
 
 
 def load_questions(categories: list[str] | None = None,

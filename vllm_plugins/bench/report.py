@@ -78,3 +78,32 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def title(model: str, settings: str) -> str:
+    """The line that says what ran where and when, on tables and plots."""
+    import os
+    import platform
+    import time
+    from pathlib import Path
+
+    return (f"{Path(model).name} {settings} "
+            f"{platform.processor() or platform.machine()} {os.cpu_count()} cpus "
+            f"{time.strftime('%Y-%m-%d %H:%M')}")
+
+
+def write(out_dir: str, stem: str, rows: list[dict], heading: str, data: dict) -> str:
+    """Prints the table; writes STEM.md, STEM.png and STEM.json under out_dir."""
+    import json
+    from pathlib import Path
+
+    table = markdown(rows)
+    print(table)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, str(out / f"{stem}.png"), heading)
+    (out / f"{stem}.md").write_text(f"{heading}\n\n{table}\n")
+    (out / f"{stem}.json").write_text(json.dumps({"rows": rows, **data}, indent=1,
+                                                 default=str))
+    print(f"\nwrote {out}/{stem}.md, {stem}.png, {stem}.json")
+    return table

@@ -15,12 +15,8 @@ warming up on the measured prompts would hand it their n-grams for free.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import time
 from collections import defaultdict
-from pathlib import Path
 
 DEFAULT_CATEGORIES = ["math_reasoning", "reasoning", "coding"]
 WARMUP_CATEGORY = "writing"
@@ -90,7 +86,7 @@ def main(argv=None) -> int:
 
     from vllm_plugins.bench.data import load_questions, render
     from vllm_plugins.bench.engines import build_engine, engine_stats
-    from vllm_plugins.bench.report import Tally, markdown, plot
+    from vllm_plugins.bench.report import Tally, title, write
 
     model = args.model
     if model is None:
@@ -137,20 +133,10 @@ def main(argv=None) -> int:
         acceptance[m] = a / d if d else None
     categories = list(dict.fromkeys(q["category"] for q in questions))
     rows = tally.table(methods, categories, acceptance)
-    table = markdown(rows)
-    print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y-%m-%d %H:%M")
-    title = (f"{Path(model).name} n={args.n} T={args.temperature} "
-             f"max_tokens={args.max_tokens} {len(questions)} prompts "
-             f"{platform.processor() or platform.machine()} {os.cpu_count()} cpus {stamp}")
-    plot(rows, str(out / "stand_bench.png"), title)
-    (out / "stand_bench.md").write_text(f"{title}\n\n{table}\n")
-    (out / "stand_bench.json").write_text(json.dumps(
-        {"args": vars(args), "rows": rows, "engine_stats": stats,
-         "acceptance": acceptance}, indent=1, default=str))
-    print(f"\nwrote {out}/stand_bench.md, stand_bench.png, stand_bench.json")
+    heading = title(model, f"n={args.n} T={args.temperature} max_tokens={args.max_tokens} "
+                           f"{len(questions)} prompts")
+    write(args.out, "stand_bench", rows, heading,
+          {"args": vars(args), "engine_stats": stats, "acceptance": acceptance})
     for llm in engines.values():
         try:
             llm.llm_engine.engine_core.shutdown()
