@@ -146,3 +146,22 @@ def test_params_validator_is_built_per_engine():
     assert params(fn.__wrapped__) == ["self"]
     src = inspect.getsource(InputProcessor.__init__)
     assert "self._build_logits_processors_params_validator()" in src
+
+
+
+def test_finish_notices_survive_steps_that_schedule_nothing():
+    """execute_model returns before drafting when nothing is scheduled; the
+    finished ids of that step must still reach the proposer next step."""
+    from types import SimpleNamespace
+
+    from vllm_plugins import bridge
+
+    bridge.install()
+    runner = SimpleNamespace()
+    empty_step = SimpleNamespace(finished_req_ids={"a", "b"},
+                                 total_num_scheduled_tokens=0)
+    with pytest.raises(Exception):  # a stand-in runner cannot really execute
+        bridge._runner_class().execute_model(runner, empty_step)
+    next_step = SimpleNamespace(finished_req_ids={"c"})
+    assert bridge._take_finished(runner, next_step) == {"a", "b", "c"}
+    assert bridge._take_finished(runner, SimpleNamespace(finished_req_ids=set())) == set()

@@ -173,6 +173,12 @@ def _patch_model_runner() -> None:
     @functools.wraps(original_execute)
     def execute_model(self, *args, **kwargs):
         self._vp_step_start = time.perf_counter()
+        # A step that schedules no tokens returns before drafting, so finish
+        # notices are collected here and handed over at the next draft call.
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished:
+            self.__dict__.setdefault("_vp_finished", set()).update(finished)
         return original_execute(self, *args, **kwargs)
 
     # GPUModelRunner._sample(self, logits, spec_decode_metadata) -> SamplerOutput
@@ -304,12 +310,18 @@ def build_context(runner, scheduler_output, sampled_token_ids) -> StepContext:
     start = getattr(runner, "_vp_step_start", None)
     ctx = StepContext(
         requests=requests,
-        finished=set(scheduler_output.finished_req_ids),
+        finished=_take_finished(runner, scheduler_output),
         max_draft=runner.drafter.max_draft,
         last_step_seconds=(time.perf_counter() - start) if start else None,
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
     )
     return ctx
+
+
+def _take_finished(runner, scheduler_output) -> set[str]:
+    finished = set(runner.__dict__.pop("_vp_finished", ()))
+    finished.update(getattr(scheduler_output, "finished_req_ids", ()) or ())
+    return finished
 
 
 def _group_of(req_id: str, state) -> str:

@@ -35,6 +35,10 @@ METHODS: dict[str, Method] = {
         Method("ngram_adaptive",
                "vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer"),
         Method("stand", "vllm_plugins.proposers.stand.StandProposer"),
+        Method("swift", "vllm_plugins.proposers.layer_skip.swift.SwiftProposer"),
+        Method("del",
+               "vllm_plugins.proposers.layer_skip.dynamic_exit.DynamicExitProposer"),
+        Method("grammar", "vllm_plugins.proposers.grammar.GrammarProposer"),
     )
 }
 BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
