@@ -1,0 +1,286 @@
+"""Grammar-forced drafts for requests that use vLLM's own structured outputs.
+
+``{"method": "grammar"}`` alone, or around another of our proposers::
+
+    {"method": "grammar", "inner": "token_recycling", "num_speculative_tokens": 6}
+    {"method": "grammar", "num_speculative_tokens": 6,
+     "inner": {"method": "token_recycling", "topk": 8, "context_order": 3}}
+
+For a request with ``structured_outputs`` (``response_format`` on the server),
+the draft is the text its grammar forces, tokenized, then the inner proposer's
+draft, checked against the grammar (see ``grammar_drafts``). Requests without
+structured outputs get the inner proposer's draft unchanged (none without an
+inner). vLLM's scheduler checks every draft against its own grammar again, and
+its rejection sampler verifies it against the target, so output is exactly
+vLLM's structured output without speculation.
+
+Each request's grammar is rebuilt here from its ``SamplingParams`` as the
+request's vLLM backend builds it (``grammar_source``), with a matcher per
+request (a copy of a cached template), advanced by the request's output tokens
+each step and dropped when the request finishes. A spec llguidance cannot
+compile, or output our matcher cannot follow, costs that request its forced
+drafts only. Under a reasoning parser the grammar starts somewhere in the
+output that this proposer cannot see, so forced drafts are off there.
+
+Memory: one ``LLMatcher`` per running structured-output request (a parser
+state, tens of KiB) plus up to 256 compiled templates shared in the process;
+the inner proposer's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from vllm_plugins.options import Option
+from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.proposers.grammar_drafts import RequestGrammar
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+
+logger = logging.getLogger("vllm_plugins")
+
+_METHOD = "grammar"
+_TIMING_WINDOW = 20_000  # draft-time samples kept for p50 / p99
+
+
+def parse_inner(value: Any) -> tuple[str | None, dict]:
+    """(inner method name, its options) from the ``inner`` option; validates
+    both against the inner method's declared options. Raises ValueError that
+    names the bad option."""
+    if value is None:
+        return None, {}
+    if isinstance(value, str):
+        name, opts = value, {}
+    elif isinstance(value, dict):
+        opts = {k.replace("-", "_"): v for k, v in value.items()}
+        name = opts.pop("method", None)
+        if not isinstance(name, str):
+            raise ValueError(
+                f"speculative_config option 'inner' of method '{_METHOD}' must name "
+                f"its method, e.g. {{\"method\": \"token_recycling\", ...}}; got {value!r}")
+    else:
+        raise ValueError(f"speculative_config option 'inner' of method '{_METHOD}' "
+                         f"must be a method name or a dict, got {value!r}")
+    from vllm_plugins.options import resolve
+    from vllm_plugins.registry import METHODS
+
+    allowed = sorted(m for m in METHODS if m != _METHOD)
+    if name not in allowed:
+        raise ValueError(f"speculative_config option 'inner' of method '{_METHOD}' "
+                         f"must be one of {allowed}, got {name!r}")
+    cls = METHODS[name].proposer_class()
+    where = f"{name}' (inner of '{_METHOD}"  # reads: method 'x' (inner of 'grammar')
+    resolved = resolve(where, cls.OPTIONS, opts)
+    if resolved["draft_length"] != "fixed":
+        from vllm_plugins.proposers.controllers import resolve_options
+
+        resolve_options(resolved["draft_length"], resolved["draft_length_options"])
+    return name, opts
+
+
+def _check_inner(value: Any) -> bool:
+    parse_inner(value)  # raises with the precise message
+    return True
+
+
+class GrammarProposer(PluginProposer):
+    OPTIONS = (
+        Option("inner", None, (str, dict, type(None)), _check_inner,
+               "a method name or a dict with 'method' and its options"),
+    )
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 6
+
+    def __init__(self, vllm_config: Any = None, options: dict | None = None,
+                 vocab_size: int | None = None, tokenizer: Any = None):
+        super().__init__(vllm_config, options, vocab_size)
+        name, inner_opts = parse_inner(self.options["inner"])
+        self.inner: PluginProposer | None = None
+        if name is not None:
+            from vllm_plugins.registry import METHODS
+
+            cls = METHODS[name].proposer_class()
+            self.inner = cls(vllm_config, options=inner_opts, vocab_size=self.vocab_size)
+            self.TOPK = self.inner.TOPK  # the bridge extracts top-k for the inner
+        self._so_config = getattr(vllm_config, "structured_outputs_config", None)
+        self._model_config = getattr(vllm_config, "model_config", None)
+        self._tokenizer = tokenizer
+        self._runtime = None
+        self._states: dict[str, RequestGrammar | None] = {}
+        self._logged: set[str] = set()
+        self.enabled = True
+        so = self._so_config
+        if so is not None and getattr(so, "reasoning_parser", None) and not getattr(
+                so, "enable_in_reasoning", False):
+            self.enabled = False
+            logger.warning("grammar-forced drafts are off: with reasoning_parser=%r "
+                           "the grammar starts after the reasoning, which this "
+                           "proposer cannot see; the inner proposer drafts alone",
+                           so.reasoning_parser)
+        self.counts = {"grammar_requests": 0, "grammar_unusable": 0, "grammar_lost": 0,
+                       "forced_tokens": 0, "inner_tokens": 0, "inner_tokens_cut": 0}
+        self._draft_seconds: deque[float] = deque(maxlen=_TIMING_WINDOW)
+
+    # ------------------------------------------------------------ vLLM route
+    def load_model(self, target_model: Any) -> None:
+        super().load_model(target_model)
+        if self.inner is not None:
+            self.inner.load_model(target_model)
+
+    # ------------------------------------------------------------ lifecycle
+    def free(self, req_id: str) -> None:
+        self._states.pop(req_id, None)
+
+    def metrics(self) -> dict:
+        out = super().metrics()
+        out.update(self.counts)
+        out["active_matchers"] = sum(s is not None for s in self._states.values())
+        if self._draft_seconds:
+            ms = np.asarray(self._draft_seconds) * 1e3
+            out["draft_ms_p50"] = float(np.percentile(ms, 50))
+            out["draft_ms_p99"] = float(np.percentile(ms, 99))
+        if self.inner is not None:
+            out["inner"] = self.inner.metrics()
+        return out
+
+    # ------------------------------------------------------------ drafting
+    def draft(self, ctx: StepContext) -> Drafts:
+        inner = self.inner.step(ctx) if self.inner is not None else None
+        n = len(ctx.requests)
+        tokens: list[list[int]] = [list(t) for t in inner.tokens] if inner else [[] for _ in range(n)]
+        probs = list(inner.probs) if inner is not None and inner.probs is not None else None
+        conf = (list(inner.confidence) if inner is not None and inner.confidence is not None
+                else None)
+        if not self.enabled:
+            return Drafts(tokens, probs, conf)
+        for i, r in enumerate(ctx.requests):
+            if r.in_prefill:
+                continue
+            timed = r.req_id in self._states  # a new request's compile is not a step cost
+            start = time.perf_counter()
+            state = self._state(r)
+            if state is None:
+                continue
+            toks, forced = state.draft(
+                self.draft_budget(ctx, r.req_id), tokens[i],
+                recent=[int(t) for t in r.context[-8:]],
+                continuation=self._continuation(r))
+            if timed:
+                self._draft_seconds.append(time.perf_counter() - start)
+            kept_inner = len(toks) - sum(forced)
+            self.counts["forced_tokens"] += sum(forced)
+            self.counts["inner_tokens"] += kept_inner
+            if tokens[i] and not any(forced) and kept_inner < len(tokens[i]):
+                self.counts["inner_tokens_cut"] += len(tokens[i]) - kept_inner
+            if probs is not None:
+                # One-hot rows (the bridge writes them for None): exact for any
+                # draft chosen without looking at the target, which forced and
+                # grammar-cut drafts are; the inner rows would not be once the
+                # grammar has cut the draft by the drawn tokens' values.
+                probs[i] = None
+            if conf is not None or self.controller is not None:
+                conf = conf if conf is not None else [None] * n
+                conf[i] = self._confidence(toks, forced, tokens[i], conf[i])
+            tokens[i] = toks
+        return Drafts(tokens, probs, conf)
+
+    def _state(self, r: RequestStep) -> RequestGrammar | None:
+        """The request's matcher, advanced to its current output; None when it
+        has no grammar we can follow."""
+        if r.req_id not in self._states:
+            self._states[r.req_id] = self._new_state(r)
+        state = self._states[r.req_id]
+        if state is not None and not state.follow(r.context[r.num_prompt_tokens:]):
+            self.counts["grammar_lost"] += 1
+            self._log_once("lost", "grammar-forced drafts stopped for request %s: our "
+                           "matcher cannot follow its output (%s); it drafts without "
+                           "the grammar (logged once, counted in grammar_lost)",
+                           r.req_id, state.error)
+            self._states[r.req_id] = state = None
+        return state
+
+    def _new_state(self, r: RequestStep) -> RequestGrammar | None:
+        so = getattr(r.sampling_params, "structured_outputs", None)
+        if so is None:
+            return None
+        from vllm_plugins.proposers.grammar_source import grammar_for
+
+        try:
+            compiled = grammar_for(so, self._so_config)
+            if compiled is None:
+                return None
+            runtime = self._get_runtime()
+            matcher = runtime.new_matcher(compiled)
+            error = matcher.get_error()
+            if error:
+                raise ValueError(error)
+        except ValueError as e:
+            self.counts["grammar_unusable"] += 1
+            self._log_once("unusable", "request %s: no grammar-forced drafts, its "
+                           "structured_outputs spec does not build an llguidance "
+                           "matcher here (%s); logged once, counted in "
+                           "grammar_unusable", r.req_id, e)
+            return None
+        self.counts["grammar_requests"] += 1
+        return RequestGrammar(matcher, runtime.ll_tokenizer)
+
+    def _get_runtime(self):
+        if self._runtime is None:
+            from vllm_plugins.logits_processors.masking import runtime_for
+
+            tokenizer = self._tokenizer
+            key: tuple = ("given", id(tokenizer))
+            if tokenizer is None:
+                from vllm.tokenizers import cached_tokenizer_from_config
+
+                mc = self._model_config
+                tokenizer = cached_tokenizer_from_config(model_config=mc)
+                if tokenizer is None:
+                    raise ValueError("the engine was started with skip_tokenizer_init")
+                key = (mc.tokenizer, mc.tokenizer_revision, self.vocab_size)
+            self._runtime = runtime_for(tokenizer, self.vocab_size, key)
+        return self._runtime
+
+    def _continuation(self, r: RequestStep):
+        """More inner tokens after a draft prefix the inner draft did not start
+        with: ``continue_draft(request, prefix, n)`` when the inner proposer has
+        one; Token Recycling's table walk from the extended tail."""
+        inner = self.inner
+        if inner is None:
+            return None
+        fn = getattr(inner, "continue_draft", None)
+        if fn is not None:
+            return lambda prefix, n: list(fn(r, prefix, n))
+        tables = getattr(inner, "tables", None)
+        if tables is not None and hasattr(tables, "chain"):
+            # TokenRecyclingProposer: RecyclingTables.chain(tail, length, min_confidence)
+            order = max(int(tables.context_order), 1)
+            min_conf = float(inner.options.get("min_confidence", 0.0))
+            context = [int(t) for t in r.context[-order:]]
+
+            def walk(prefix: list[int], n: int) -> list[int]:
+                tail = (context + prefix)[-order:]
+                return tables.chain(tail, n, min_conf)[0]
+            return walk
+        return None
+
+    @staticmethod
+    def _confidence(toks, forced, inner_toks, inner_conf):
+        out = np.empty(len(toks), dtype=np.float32)
+        for j, (t, f) in enumerate(zip(toks, forced)):
+            if f:
+                out[j] = 1.0
+            elif (inner_conf is not None and j < len(inner_conf)
+                  and j < len(inner_toks) and inner_toks[j] == t):
+                out[j] = inner_conf[j]
+            else:
+                out[j] = 0.5  # an inner continuation: no estimate of its own
+        return out
+
+    def _log_once(self, key: str, msg: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(msg, *args)
