@@ -450,3 +450,79 @@ def test_simulation_goodput_vs_fixed():
     assert good["expected_tokens_per_s"] > 0.93 * fixed["expected_tokens_per_s"]
     oracle = sim.simulate("oracle", flat)
     assert oracle["expected_tokens_per_s"] >= 0.99 * fixed["expected_tokens_per_s"]
+
+
+# ------------------------------------------- depth profile, bounded zeros
+
+def _deep_world_step(c, ids, rng, p_first, p_deep, conf=None):
+    """Drafts where position 1 is accepted with p_first and later positions,
+    given their prefix, with p_deep (a copy regime: right once, right on)."""
+    ctx = StepContext([_req(r, int(c._n[r]), int(c._m[r])) for r in ids], max_draft=D)
+    c.observe(ctx)
+    confs = None if conf is None else [np.full(D, conf, np.float32) for _ in ids]
+    keep = c.decide(ctx, Drafts([[7] * D] * len(ids), confidence=confs))
+    for r, k in zip(ids, keep):
+        first = rng.random() < p_first
+        run = 0 if not first else 1 + int(np.cumprod(rng.random(D - 1) < p_deep).sum())
+        c._n[r], c._m[r] = k, min(run, k)
+    return keep
+
+
+@pytest.mark.parametrize("with_conf", [False, True])
+def test_deep_positions_learn_their_own_higher_rate(with_conf):
+    # Position 1 is right 30% of the time; a draft that survived it is right
+    # 95% of the time after (a copy regime, as measured with Token Recycling).
+    # A pooled per-request rate would value every position at ~0.3 (measured
+    # with the previous estimator: 0.22 at position 4; calibration 0.34) and
+    # cut chains that pay; the depth profile learns the deep rate.
+    if with_conf:
+        c = _controller("confidence", threshold=0.15)
+    else:
+        c = _controller("acceptance", min_prob=0.15, target_fraction=1.0)
+    rng = np.random.default_rng(0)
+    ids = [f"r{i}" for i in range(8)]
+    c._n = {r: 0 for r in ids}
+    c._m = {r: 0 for r in ids}
+    keeps = [_deep_world_step(c, ids, rng, 0.3, 0.95, conf=0.5 if with_conf else None)
+             for _ in range(150)]
+    rows = c.slots.slots(ids)
+    p = c.estimator.probs(rows)
+    assert p[:, 0].mean() < 0.5 and p[:, 3].mean() > 0.6, p
+    if with_conf:
+        cal = c.calibrator.calibrate(rows, np.full((len(ids), D), 0.5))
+        assert cal[:, 0].mean() < 0.5 and cal[:, 3].mean() > 0.8, cal
+        assert np.median(keeps[-20:]) >= 4, keeps[-20:]
+
+
+class _BudgetedProposer:
+    """Drafts only what max_length allows, like ngram_adaptive does."""
+
+    def __init__(self, c):
+        self.c = c
+
+    def step(self, w: World, alpha: float) -> int:
+        ctx = w.ctx()
+        self.c.observe(ctx)
+        budget = self.c.max_length(w.ids[0])
+        keep = self.c.decide(ctx, Drafts([[7] * budget]))
+        draws = w.rng.random(D) < alpha
+        w.n = np.array(keep)
+        w.m = np.minimum(np.cumprod(draws).sum(), w.n)
+        w.tokens = int(sum(keep) + 1)
+        w.seconds = 0.02 + 0.001 * w.tokens
+        return keep[0]
+
+
+def test_zero_from_max_length_counts_as_a_choice_and_still_probes():
+    c = _controller("acceptance")
+    w, p = World(c, seed=1), _BudgetedProposer(c)
+    for _ in range(20):
+        p.step(w, 0.97)
+    ks = [p.step(w, 0.0) for _ in range(40)]
+    s = c.stats()
+    assert ks[-20:].count(0) >= 12, ks
+    # drafting nothing because max_length said 0 is the controller's choice
+    assert s["zero_choices"] >= ks.count(0) and s["no_draft"] == 0, s
+    assert s["probes"] >= 2, s                     # ... and it keeps probing
+    ks_up = [p.step(w, 0.97) for _ in range(30)]
+    assert max(ks_up[-10:]) >= D - 2, ks_up        # so it comes back
