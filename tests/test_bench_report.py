@@ -18,3 +18,123 @@ def test_table_and_plot(tmp_path):
     assert "| overall | tr | 2.50 | 0.50 |" in md
     plot(rows, str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_ratio_ci_brackets_the_point_and_narrows_with_agreement():
+    from vllm_plugins.bench.report import ratio_ci
+
+    base = [10.0, 11.0, 9.5, 10.5, 10.2, 9.8]
+    steady = [5.0, 5.5, 4.75, 5.25, 5.1, 4.9]          # exactly 2x every batch
+    point, lo, hi = ratio_ci(base, steady)
+    assert point == sum(base) / sum(steady) and lo <= point <= hi
+    assert hi - lo < 1e-9
+    noisy = [4.0, 7.0, 4.0, 6.5, 4.2, 6.0]
+    point2, lo2, hi2 = ratio_ci(base, noisy)
+    assert lo2 < point2 < hi2 and hi2 - lo2 > 0.1
+    assert ratio_ci([1.0], [2.0])[1] != ratio_ci([1.0], [2.0])[1]   # NaN: one pair
+
+
+def test_controller_delta_subtracts_counters_and_keeps_the_curve():
+    from vllm_plugins.bench.report import controller_delta, controller_markdown
+
+    before = {"policy": "goodput", "decisions": 10, "zero_choices": 2,
+              "k_histogram": [2, 3, 5], "explore_steps": 1}
+    after = {"policy": "goodput", "decisions": 30, "zero_choices": 12,
+             "k_histogram": [12, 3, 15], "explore_steps": 1,
+             "cost_model": {"warm": True, "intercept_s": 0.05, "per_token_s": 0.002,
+                            "per_request_s": 0.001}}
+    d = controller_delta(before, after)
+    assert d["decisions"] == 20 and d["zero_choices"] == 10
+    assert d["k_histogram"] == [10, 0, 10] and d["mean_k"] == 1.0
+    assert d["zero_fraction"] == 0.5 and d["explore_steps"] == 0
+    md = controller_markdown([{"batch": 8, "method": "tr", **d}])
+    assert "| 8 | tr | 20 | 50.0% | 1.00 | 10 0 10 | 0 | 50.0 ms + 2.00 ms/token" in md
+
+
+def test_disjoint_sets_never_share_a_prompt():
+    from vllm_plugins.bench.data import disjoint_sets, load_questions
+
+    sets, left = disjoint_sets(None, [1, 2, 2])
+    ids = [q["question_id"] for s in sets for q in s]
+    assert len(ids) == len(set(ids))
+    cats = {q["category"] for q in load_questions()}
+    assert {q["category"] for q in sets[0]} == cats and len(sets[0]) == len(cats)
+    assert len(ids) + len(left) == len(load_questions())
+    assert not {q["question_id"] for q in left} & set(ids)
+
+
+def test_cli_batch_sizes_and_counts():
+    import pytest
+
+    from vllm_plugins.bench.cli import parse_args
+
+    a = parse_args(["--batch-sizes", "1,8,16", "--per-category", "1,2,2", "--aa"])
+    assert a.batch_sizes == [1, 8, 16] and a.per_category == [1, 2, 2] and a.aa
+    assert parse_args([]).batch_sizes == [1]
+    assert parse_args(["--batch-size", "4"]).batch_sizes == [4]
+    for bad in (["--batch-sizes", "1,8", "--per-category", "1,2,3"],
+                ["--batch-sizes", "0,8"], ["--batch-size", "2", "--batch-sizes", "1"],
+                ["--mat-only", "--aa"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_cli_runs_every_batch_size_with_fake_engines(tmp_path, monkeypatch):
+    """The whole driver (disjoint sets, interleaving, A/A rerun, controller
+    deltas, summary files) on stand-in engines: no vLLM model is loaded."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("vllm")
+    from vllm_plugins.bench import cli, data, engines
+
+    class Tok:
+        def apply_chat_template(self, msgs, **kw):
+            return msgs[0]["content"]
+
+        def __call__(self, text, **kw):
+            return {"input_ids": [1, 2, 3]}
+
+    class Fake:
+        def __init__(self, spec):
+            self.spec = spec
+            self.calls = 0
+
+        def get_tokenizer(self):
+            return Tok()
+
+    stats_calls = {}
+
+    def fake_stats(llm):
+        if not llm.spec or llm.spec.get("draft_length") != "goodput":
+            return {}
+        n = stats_calls[id(llm)] = stats_calls.get(id(llm), 0) + 1
+        return {"proposer": {"draft_length": {
+            "policy": "goodput", "decisions": 10 * n, "zero_choices": 3 * n,
+            "k_histogram": [3 * n, 7 * n], "cost_model": {"warm": False}}}}
+
+    def fake_run(llm, prompts, params):
+        llm.calls += 1
+        res = [engines.RequestResult([7] * 4, 2 if llm.spec else 4) for _ in prompts]
+        return res, 0.1 * len(prompts) * (0.5 if llm.spec else 1.0)
+
+    monkeypatch.setattr(engines, "build_engine", lambda model, spec, **kw: Fake(spec))
+    monkeypatch.setattr(engines, "run_batch", fake_run)
+    monkeypatch.setattr(engines, "engine_stats", fake_stats)
+    monkeypatch.setattr("vllm_plugins.bench.data.render", lambda tok, q: [1, 2, 3])
+    out = tmp_path / "o"
+    assert cli.main(["--model", "m", "--methods", "none,token_recycling+goodput",
+                     "--batch-sizes", "1,2", "--per-category", "1,1", "--aa",
+                     "--categories", "qa,rag", "--max-tokens", "4",
+                     "--warmup", "1", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    by = {(s["batch"], s["method"]): s for s in summary["summary"]}
+    assert by[(1, "token_recycling+goodput")]["speedup"] == 2.0
+    assert by[(1, cli.RERUN)]["speedup"] == 1.0
+    ctl = {c["batch"]: c for c in summary["controllers"]}
+    # the warm-up's counts are not charged to batch 1
+    assert ctl[1]["decisions"] == 10 and ctl[2]["zero_choices"] == 3
+    assert (out / "speedup.png").exists() and (out / "bench_b2.md").exists()
+    rows = [r for r in summary["rows"] if r["method"] == "token_recycling+goodput"]
+    assert {r["batch"] for r in rows} == {1, 2} and all(r["MAT"] == 2.0 for r in rows)

@@ -1,7 +1,10 @@
 """Speculative methods side by side on Spec-Bench dev, in one process.
 
-All engines live in this process; each batch of prompts runs on every engine
-in turn (rotating which goes first), so host noise hits all methods alike.
+All engines live in this process and are built once; for each batch size,
+each batch of prompts runs on every engine in turn (rotating which goes
+first), so host noise hits all methods alike. With several batch sizes, each
+size gets its own prompts (disjoint sets), so proposers that learn across
+requests never meet a prompt whose output they have already seen.
 """
 
 from __future__ import annotations
@@ -10,6 +13,20 @@ import argparse
 import json
 
 DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling"]
+# The no-speculation engine run a second time on every batch: an A/A pair
+# whose "speedup" is the host's noise on that batch.
+RERUN = "none(rerun)"
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, "
+                                         f"got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
 
 
 def parse_args(argv=None):
@@ -18,61 +35,73 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma list of: none, ngram, suffix, token_recycling, "
-                        "token_recycling+goodput, ngram+goodput")
+                        "token_recycling+goodput, ngram+goodput, ngram_adaptive")
     p.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
                    help="add a method: a name and its speculative_config as JSON, "
                         "e.g. tr-o1='{\"method\": \"token_recycling\", "
                         "\"context_order\": 1}'")
     p.add_argument("--categories", default=None, help="comma list; default all")
-    p.add_argument("--per-category", type=int, default=None)
+    p.add_argument("--per-category", type=_int_list, default=None,
+                   help="prompts per category; a comma list gives one count per "
+                        "batch size (disjoint prompt sets); default all")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=None, help="one batch size")
+    p.add_argument("--batch-sizes", type=_int_list, default=None,
+                   help="comma list, e.g. 1,8,16: engines are built once and reused")
+    p.add_argument("--aa", action="store_true",
+                   help=f"run no speculation twice per batch ('{RERUN}'): "
+                        "the A/A spread measures the host's noise")
+    p.add_argument("--mat-only", action="store_true",
+                   help="skip the no-speculation engine (MAT needs no baseline; "
+                        "no speedups or mismatch checks)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=2, help="batches run untimed first")
     p.add_argument("--compile", action="store_true", help="inductor, not eager")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts per category, 128 tokens: a short demo")
     p.add_argument("--out", default="bench_out")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.batch_sizes and args.batch_size:
+        p.error("give --batch-size or --batch-sizes, not both")
+    args.batch_sizes = args.batch_sizes or [args.batch_size or 1]
+    per = args.per_category
+    if per is not None and len(per) not in (1, len(args.batch_sizes)):
+        p.error(f"--per-category has {len(per)} counts for "
+                f"{len(args.batch_sizes)} batch sizes")
+    if args.mat_only and args.aa:
+        p.error("--aa needs the no-speculation engine; drop --mat-only")
+    return args
 
 
-def run_interleaved(engines, methods, batch, bi, tok, params, tally, greedy):
-    """One batch on every engine, rotating which goes first."""
+def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
+                    batch_times=None):
+    """One batch on every engine, rotating which goes first.
+
+    ``runs`` are labels; RERUN runs on the "none" engine again. Per-batch
+    seconds go to ``batch_times[label]`` for the paired noise intervals.
+    """
     from vllm_plugins.bench.data import render
     from vllm_plugins.bench.engines import run_batch
 
     prompts = [render(tok, q) for q in batch]
-    order = methods[bi % len(methods):] + methods[:bi % len(methods)]
-    results = {m: run_batch(engines[m], prompts, params) for m in order}
-    ref = results["none"][0]
-    for m in methods:
+    order = runs[bi % len(runs):] + runs[:bi % len(runs)]
+    results = {m: run_batch(engines["none" if m == RERUN else m], prompts, params)
+               for m in order}
+    ref = results["none"][0] if "none" in results else None
+    for m in runs:
         res, secs = results[m]
         toks = sum(len(r.token_ids) for r in res)
-        for q, r, b in zip(batch, res, ref):
+        if batch_times is not None:
+            batch_times.setdefault(m, []).append(secs)
+        for i, (q, r) in enumerate(zip(batch, res)):
             share = secs * len(r.token_ids) / max(toks, 1)
-            mismatch = greedy and r.token_ids != b.token_ids
+            mismatch = greedy and ref is not None and r.token_ids != ref[i].token_ids
             tally.add(m, q["category"], len(r.token_ids), r.forwards, share, mismatch)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.quick:
-        args.per_category = args.per_category or 2
-        args.max_tokens = min(args.max_tokens, 128)
-    from tqdm import tqdm
-    from vllm import SamplingParams
+def _resolve_methods(args):
+    from vllm_plugins.bench.engines import METHOD_CONFIGS, suffix_available
 
-    from vllm_plugins.bench.data import load_questions, render
-    from vllm_plugins.bench.engines import (METHOD_CONFIGS, build_engine,
-                                            engine_stats, run_batch,
-                                            suffix_available)
-    from vllm_plugins.bench.report import Tally, markdown, title, write
-
-    model = args.model
-    if model is None:
-        from vllm_plugins.default_model import default_model_path
-
-        model = default_model_path()
     methods = [m for m in args.methods.split(",") if m]
     configs = dict(METHOD_CONFIGS)
     for item in args.extra:
@@ -87,41 +116,134 @@ def main(argv=None) -> int:
     unknown = [m for m in methods if m not in configs]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(configs)}")
-    if "none" not in methods:
+    if args.mat_only:
+        methods = [m for m in methods if m != "none"]
+    elif "none" not in methods:
         methods.insert(0, "none")
+    return methods, configs
+
+
+def _host_load() -> str:
+    import os
+
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.quick:
+        args.per_category = args.per_category or [2]
+        args.max_tokens = min(args.max_tokens, 128)
+    from tqdm import tqdm
+    from vllm import SamplingParams
+
+    from vllm_plugins.bench.data import disjoint_sets, render
+    from vllm_plugins.bench.engines import build_engine, engine_stats, run_batch
+    from vllm_plugins.bench.report import (Tally, controller_delta,
+                                           controller_markdown, markdown, ratio_ci,
+                                           speedup_plot, title, write)
+
+    model = args.model
+    if model is None:
+        from vllm_plugins.default_model import default_model_path
+
+        model = default_model_path()
+    methods, configs = _resolve_methods(args)
+    sizes = args.batch_sizes
     cats = args.categories.split(",") if args.categories else None
-    questions = load_questions(cats, args.per_category)
-    engines = {m: build_engine(model, configs[m], max_num_seqs=max(
-        args.batch_size, 1), enforce_eager=not args.compile) for m in methods}
-    tok = engines["none"].get_tokenizer()
+    per = args.per_category or [None]
+    per = per * len(sizes) if len(per) == 1 and len(sizes) > 1 and per[0] else per
+    if per == [None] and len(sizes) > 1:
+        raise SystemExit("several batch sizes need --per-category (disjoint sets)")
+    sets, spare = disjoint_sets(cats, per)
+    engines = {m: build_engine(model, configs[m], max_num_seqs=max(sizes),
+                               enforce_eager=not args.compile) for m in methods}
+    tok = engines[methods[0]].get_tokenizer()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0 if args.temperature > 0 else None)
-    batches = [questions[i:i + args.batch_size]
-               for i in range(0, len(questions), args.batch_size)]
-    # Warm caches and allocators, untimed, on prompts outside the measured set
-    # (a proposer that learns must not see a measured prompt beforehand).
-    measured = {q["question_id"] for q in questions}
-    spare = [q for q in load_questions(cats) if q["question_id"] not in measured]
+    runs = methods + ([RERUN] if args.aa else [])
+    greedy = args.temperature == 0
+    # Warm caches and allocators, untimed, on prompts outside every measured
+    # set (a proposer that learns must not see a measured prompt beforehand).
     for q in spare[:args.warmup]:
         for m in methods:
-            run_batch(engines[m], [render(tok, q)] * args.batch_size, params)
-    tally = Tally()
-    try:
-        for bi, batch in enumerate(tqdm(batches, desc="batches")):
-            run_interleaved(engines, methods, batch, bi, tok, params, tally,
-                            greedy=args.temperature == 0)
-    except Exception as e:  # report what was measured before the failure
-        print(f"benchmark stopped early: {type(e).__name__}: {e}")
-        partial = tally.table(methods, list(dict.fromkeys(
-            q["category"] for q in questions)))
-        print(markdown(partial))
-        raise
-    stats = {m: engine_stats(engines[m]) for m in methods}
-    acceptance = {m: (s["accepted"] / s["drafted"]) if s.get("drafted") else None
-                  for m, s in stats.items()}
-    categories = list(dict.fromkeys(q["category"] for q in questions))
-    rows = tally.table(methods, categories, acceptance)
-    heading = title(model, f"batch={args.batch_size} T={args.temperature} "
-                           f"max_tokens={args.max_tokens}")
-    write(args.out, "bench", rows, heading, {"args": vars(args), "engine_stats": stats})
+            run_batch(engines[m], [render(tok, q)] * max(sizes), params)
+    before = {m: (engine_stats(engines[m]).get("proposer") or {}).get("draft_length")
+              for m in methods}
+    all_rows, summary, controllers, loads = [], [], [], {}
+    for size, questions in zip(sizes, sets):
+        tally, times = Tally(), {}
+        batches = [questions[i:i + size] for i in range(0, len(questions), size)]
+        loads[size] = [_host_load()]
+        try:
+            for bi, batch in enumerate(tqdm(batches, desc=f"batch {size}")):
+                run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
+                                times)
+        except Exception as e:  # report what was measured before the failure
+            print(f"benchmark stopped early: {type(e).__name__}: {e}")
+            print(markdown(tally.table(runs, list(dict.fromkeys(
+                q["category"] for q in questions)))))
+            raise
+        loads[size].append(_host_load())
+        stats = {m: engine_stats(engines[m]) for m in methods}
+        categories = list(dict.fromkeys(q["category"] for q in questions))
+        rows = tally.table(runs, categories)
+        for r in rows:
+            r["batch"] = size
+        all_rows += rows
+        for m in runs:
+            if "none" in times and m != "none":
+                point, lo, hi = ratio_ci(times["none"], times[m])
+                summary.append({"batch": size, "method": m, "speedup": point,
+                                "lo": lo, "hi": hi, "batches": len(times[m])})
+        for m in methods:
+            now = (stats[m].get("proposer") or {}).get("draft_length")
+            if now:
+                controllers.append({"batch": size, "method": m,
+                                    **controller_delta(before[m], now)})
+                before[m] = now
+        heading = title(model, f"batch={size} T={args.temperature} "
+                               f"max_tokens={args.max_tokens}")
+        write(args.out, f"bench_b{size}" if len(sizes) > 1 else "bench", rows,
+              heading, {"args": vars(args), "engine_stats": stats,
+                        "host_load": loads[size]})
+    if len(sizes) > 1 or args.aa:
+        _write_summary(args, model, all_rows, summary, controllers, loads)
+    elif controllers:
+        print(controller_markdown(controllers))
     return 0
+
+
+def _write_summary(args, model, rows, summary, controllers, loads) -> None:
+    """Speedup per batch size with paired-bootstrap intervals, the A/A noise,
+    and what each draft-length controller chose."""
+    import json as _json
+    from pathlib import Path
+
+    from vllm_plugins.bench.report import (controller_markdown, speedup_plot,
+                                           title)
+
+    lines = ["| batch | method | MAT | speedup | 95% interval | batches |",
+             "|---:|---|---:|---:|---|---:|"]
+    mats = {(r["batch"], r["method"]): r["MAT"] for r in rows
+            if r["category"] == "overall"}
+    for s in summary:
+        lines.append(f"| {s['batch']} | {s['method']} | "
+                     f"{mats.get((s['batch'], s['method']), float('nan')):.2f} | "
+                     f"{s['speedup']:.3f}x | {s['lo']:.3f} .. {s['hi']:.3f} | "
+                     f"{s['batches']} |")
+    table = "\n".join(lines)
+    ctl = controller_markdown(controllers) if controllers else ""
+    load = "\n".join(f"batch {k}: start {v[0]}, end {v[-1]}" for k, v in loads.items())
+    heading = title(model, f"batch sizes={args.batch_sizes} T={args.temperature} "
+                           f"max_tokens={args.max_tokens}")
+    text = f"{heading}\n\n{table}\n\n{ctl}\n\n{load}\n"
+    print("\n" + text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(_json.dumps(
+        {"summary": summary, "controllers": controllers, "host_load": loads,
+         "rows": rows, "args": vars(args)}, indent=1, default=str))
+    if summary:
+        speedup_plot(summary, str(out / "speedup.png"), heading)

@@ -46,3 +46,30 @@ def render(tokenizer, question: dict) -> list[int]:
     text = tokenizer.apply_chat_template(msgs, tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def disjoint_sets(categories: list[str] | None, counts: list[int | None]
+                  ) -> tuple[list[list[dict]], list[dict]]:
+    """One question set per entry of ``counts`` (prompts per category; None:
+    all that are left), disjoint, in file order, plus the questions left over.
+
+    Proposers that learn across requests (Token Recycling's tables) would
+    otherwise meet, at a later batch size, prompts whose greedy output they
+    have already seen: their MAT would measure memory, not drafting.
+    """
+    pool = load_questions(categories)
+    by_cat: dict[str, list[dict]] = {}
+    for q in pool:
+        by_cat.setdefault(q["category"], []).append(q)
+    taken = {c: 0 for c in by_cat}
+    sets = []
+    for n in counts:
+        out = []
+        for cat, qs in by_cat.items():
+            lo = taken[cat]
+            hi = len(qs) if n is None else min(len(qs), lo + n)
+            out.extend(qs[lo:hi])
+            taken[cat] = hi
+        sets.append(out)
+    left = [q for c, qs in by_cat.items() for q in qs[taken[c]:]]
+    return sets, left

@@ -107,3 +107,100 @@ def write(out_dir: str, stem: str, rows: list[dict], heading: str, data: dict) -
                                                  default=str))
     print(f"\nwrote {out}/{stem}.md, {stem}.png, {stem}.json")
     return table
+
+
+def ratio_ci(base: list[float], other: list[float], *, level: float = 0.95,
+             n_boot: int = 2000, seed: int = 0) -> tuple[float, float, float]:
+    """sum(base) / sum(other) and its bootstrap interval over paired batches.
+
+    Each batch ran on every engine back to back, so host noise that lasts a
+    batch hits both sides of a pair; resampling pairs measures what is left.
+    """
+    import numpy as np
+
+    b = np.asarray(base, dtype=np.float64)
+    o = np.asarray(other, dtype=np.float64)
+    if len(b) == 0 or o.sum() <= 0:
+        return float("nan"), float("nan"), float("nan")
+    point = float(b.sum() / o.sum())
+    if len(b) < 2:
+        return point, float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(b), size=(n_boot, len(b)))
+    ratios = b[idx].sum(1) / np.maximum(o[idx].sum(1), 1e-12)
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return point, float(lo), float(hi)
+
+
+def controller_delta(before: dict | None, after: dict) -> dict:
+    """What a draft-length controller did between two stats() snapshots
+    (counters subtract; the cost model is the one learned by ``after``)."""
+    before = before or {}
+    out = {"policy": after.get("policy")}
+    for key in ("steps", "decisions", "zero_choices", "no_draft", "probes",
+                "explore_steps"):
+        if key in after:
+            out[key] = after[key] - before.get(key, 0)
+    hist = after.get("k_histogram")
+    if hist is not None:
+        prev = before.get("k_histogram") or [0] * len(hist)
+        h = [a - b for a, b in zip(hist, prev)]
+        out["k_histogram"] = h
+        total = sum(h)
+        out["mean_k"] = sum(i * v for i, v in enumerate(h)) / total if total else 0.0
+    if out.get("decisions"):
+        out["zero_fraction"] = out.get("zero_choices", 0) / out["decisions"]
+    if "cost_model" in after:
+        out["cost_model"] = after["cost_model"]
+    return out
+
+
+def controller_markdown(rows: list[dict]) -> str:
+    """One line per (batch size, method): how often k = 0, the k histogram,
+    and the learned step-time curve t = a + b*tokens + c*batch."""
+    lines = ["| batch | method | decisions | k = 0 | mean k | k histogram (0..K) | "
+             "explore steps | learned t(step) |",
+             "|---:|---|---:|---:|---:|---|---:|---|"]
+    for r in rows:
+        cm = r.get("cost_model") or {}
+        if cm.get("warm"):
+            curve = (f"{1e3 * cm['intercept_s']:.1f} ms + {1e3 * cm['per_token_s']:.2f} "
+                     f"ms/token + {1e3 * cm['per_request_s']:.2f} ms/request")
+        else:
+            curve = "prior" if cm else ""
+        zf = r.get("zero_fraction")
+        lines.append(
+            f"| {r['batch']} | {r['method']} | {r.get('decisions', 0)} | "
+            f"{'' if zf is None else f'{100 * zf:.1f}%'} | {r.get('mean_k', 0):.2f} | "
+            f"{' '.join(map(str, r.get('k_histogram', [])))} | "
+            f"{r.get('explore_steps', '')} | {curve} |")
+    return "\n".join(lines)
+
+
+def speedup_plot(summary: list[dict], path: str, title: str) -> None:
+    """Overall speedup over no speculation per batch size, with intervals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in summary))
+    sizes = sorted({r["batch"] for r in summary})
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for m in methods:
+        pts = sorted((r["batch"], r["speedup"], r["lo"], r["hi"]) for r in summary
+                     if r["method"] == m)
+        x = [sizes.index(p[0]) for p in pts]
+        y = [p[1] for p in pts]
+        err = [[max(p[1] - p[2], 0) if p[2] == p[2] else 0 for p in pts],
+               [max(p[3] - p[1], 0) if p[3] == p[3] else 0 for p in pts]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=m)
+    ax.set_xticks(range(len(sizes)))
+    ax.set_xticklabels([f"batch {s}" for s in sizes])
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_ylabel("speedup over no speculation (95% CI)")
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
