@@ -138,3 +138,14 @@ def test_cli_runs_every_batch_size_with_fake_engines(tmp_path, monkeypatch):
     assert (out / "speedup.png").exists() and (out / "bench_b2.md").exists()
     rows = [r for r in summary["rows"] if r["method"] == "token_recycling+goodput"]
     assert {r["batch"] for r in rows} == {1, 2} and all(r["MAT"] == 2.0 for r in rows)
+
+
+def test_wide_markdown_one_line_per_category():
+    from vllm_plugins.bench.report import wide_markdown
+
+    rows = [{"category": "qa", "method": "none", "MAT": 1.0, "speedup": 1.0, "tok/s": 10.0},
+            {"category": "qa", "method": "tr", "MAT": 2.0, "speedup": 1.5, "tok/s": 15.0},
+            {"category": "rag", "method": "tr", "MAT": 3.0, "speedup": None, "tok/s": 9.0}]
+    md = wide_markdown(rows).splitlines()
+    assert md[0] == "| category | none tok/s | tr MAT / speedup |"
+    assert md[2] == "| qa | 10.0 | 2.00 / 1.50x |" and md[3] == "| rag |  | 3.00 / - |"

@@ -204,3 +204,25 @@ def speedup_plot(summary: list[dict], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def wide_markdown(rows: list[dict], methods: list[str] | None = None) -> str:
+    """One line per category, "MAT / speedup" per method (the docs' layout)."""
+    methods = methods or [m for m in dict.fromkeys(r["method"] for r in rows)
+                          if m != "none"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    by = {(r["category"], r["method"]): r for r in rows}
+    head = "| category | none tok/s | " + " | ".join(
+        f"{m} MAT / speedup" for m in methods) + " |"
+    lines = [head, "|---|---:|" + "---:|" * len(methods)]
+    for c in cats:
+        base = by.get((c, "none"))
+        cells = []
+        for m in methods:
+            r = by.get((c, m))
+            cells.append("" if r is None else
+                         f"{r['MAT']:.2f} / {r['speedup']:.2f}x" if r["speedup"]
+                         else f"{r['MAT']:.2f} / -")
+        tps = "" if base is None else f"{base['tok/s']:.1f}"
+        lines.append(f"| {c} | {tps} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
