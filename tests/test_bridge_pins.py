@@ -165,3 +165,69 @@ def test_finish_notices_survive_steps_that_schedule_nothing():
     next_step = SimpleNamespace(finished_req_ids={"c"})
     assert bridge._take_finished(runner, next_step) == {"a", "b", "c"}
     assert bridge._take_finished(runner, SimpleNamespace(finished_req_ids=set())) == set()
+
+
+# ------------------------------------------------ self-drafting (SWIFT / DEL)
+def test_lookahead_is_a_config_property_read_by_scheduler_and_warmup():
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched import scheduler
+
+    assert isinstance(VllmConfig.__dict__["num_lookahead_tokens"], property)
+    assert "vllm_config.num_lookahead_tokens" in inspect.getsource(scheduler)
+
+
+def test_plugin_lookahead_only_for_self_drafting_methods():
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge import plugin_lookahead
+    from vllm_plugins.registry import METHODS, PLUGIN_OPTIONS_ATTR
+
+    def config(method):
+        return SimpleNamespace(**{PLUGIN_OPTIONS_ATTR: {"method": method},
+                                  "model": METHODS[method].class_path,
+                                  "num_speculative_tokens": 5})
+
+    assert plugin_lookahead(config("swift")) == 5
+    assert plugin_lookahead(config("del")) == 5
+    assert plugin_lookahead(config("token_recycling")) == 0
+    assert plugin_lookahead(SimpleNamespace(model="x.Y", num_speculative_tokens=3)) == 0
+
+
+def test_aux_hidden_state_route():
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    assert hasattr(LlamaForCausalLM, "set_aux_hidden_state_layers")
+    for cls in (GPUModelRunner, CPUModelRunner):
+        src = inspect.getsource(cls.load_model)
+        assert src.index("drafter.load_model") < src.index(
+            "_setup_eagle3_aux_hidden_state_outputs()")
+    src = inspect.getsource(GPUModelRunner.execute_model)
+    assert "hidden_states, aux_hidden_states = model_output" in src
+
+
+def test_partial_forward_touch_points():
+    import dataclasses
+
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.layers.attention import attention
+    from vllm.model_executor.models.llama import LlamaDecoderLayer, LlamaModel
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.worker.utils import AttentionGroup
+
+    assert {"attn_metadata", "vllm_config", "num_tokens", "slot_mapping"} <= set(
+        params(set_forward_context))
+    fields = {f.name for f in dataclasses.fields(CommonAttentionMetadata)}
+    assert {"query_start_loc", "query_start_loc_cpu", "seq_lens", "num_reqs",
+            "num_actual_tokens", "max_query_len", "max_seq_len",
+            "block_table_tensor", "slot_mapping", "positions"} <= fields
+    assert params(AttentionGroup.build_metadata)[:2] == ["self", "common_attn_metadata"]
+    # K/V writes come from the forward context's per-layer slot mapping; no
+    # entry, no write (scoring over committed context relies on this).
+    src = inspect.getsource(attention.unified_kv_cache_update)
+    assert "if layer_slot_mapping is not None" in src
+    layer_src = inspect.getsource(LlamaDecoderLayer.__init__)
+    for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
+        assert f"self.{name}" in layer_src
+    assert hasattr(LlamaModel, "embed_input_ids")

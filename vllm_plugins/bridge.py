@@ -34,6 +34,7 @@ def install() -> None:
     if _INSTALLED:
         return
     _patch_engine_args()
+    _patch_lookahead()
     _patch_model_runner()
     _patch_worker()
     _patch_cpu_expand()
@@ -149,6 +150,42 @@ def _patch_params_validator() -> None:
     InputProcessor._build_logits_processors_params_validator = build_validator
 
 
+def _patch_lookahead() -> None:
+    # vllm.config.VllmConfig.num_lookahead_tokens (property): KV slots the
+    # scheduler (allocate_slots) and the worker warmup reserve past the tokens
+    # the target runs. Self-drafting methods write their drafts' K/V there,
+    # as vLLM's EAGLE does.
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.num_lookahead_tokens
+    if getattr(original.fget, "_vllm_plugins", False):
+        return
+
+    def num_lookahead_tokens(self) -> int:
+        base = original.fget(self)
+        return max(base, plugin_lookahead(self.speculative_config))
+
+    num_lookahead_tokens._vllm_plugins = True
+    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)
+
+
+def plugin_lookahead(speculative_config) -> int:
+    """num_speculative_tokens for our methods that draft with the target's
+    own layers (they write draft K/V); 0 for every other configuration."""
+    from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+
+    if getattr(speculative_config, PLUGIN_OPTIONS_ATTR, None) is None:
+        return 0
+    # custom_class: SpeculativeConfig.model holds the proposer's class path.
+    import importlib
+
+    module, _, name = str(speculative_config.model).rpartition(".")
+    cls = getattr(importlib.import_module(module), name)
+    if not getattr(cls, "SELF_DRAFT", False):
+        return 0
+    return int(speculative_config.num_speculative_tokens or 0)
+
+
 # ---------------------------------------------------------------- model runner
 def _runner_class():
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -207,9 +244,36 @@ def _patch_model_runner() -> None:
                 self, scheduler_output, sampled_token_ids, sampling_metadata,
                 hidden_states, sample_hidden_states, aux_hidden_states,
                 spec_decode_metadata, *args, **kwargs)
+        common_attn_metadata = args[0] if args else kwargs.get("common_attn_metadata")
         return _propose(self, scheduler_output, sampled_token_ids,
-                        spec_decode_metadata)
+                        spec_decode_metadata, common_attn_metadata,
+                        aux_hidden_states)
 
+    # GPUModelRunner._setup_eagle3_aux_hidden_state_outputs(self), called at
+    # the end of load_model (CPU runner too): with use_aux_hidden_state_outputs
+    # the model returns (hidden, [residual stream after each layer in
+    # model.aux_hidden_state_layers]) and the runner hands that list to
+    # propose_draft_token_ids. Proposers that learn from the verification
+    # pass's intermediate layers (DEL's shadow acceptance) ask for it.
+    original_setup_aux = cls._setup_eagle3_aux_hidden_state_outputs
+
+    @functools.wraps(original_setup_aux)
+    def _setup_eagle3_aux_hidden_state_outputs(self):
+        layers = tuple(getattr(getattr(self, "drafter", None), "aux_layers", ()) or ())
+        if layers and _is_ours(self):
+            model = self.get_model()
+            if not hasattr(model, "set_aux_hidden_state_layers"):
+                raise ValueError(
+                    f"{type(self.drafter).__name__} needs the verification pass's "
+                    "per-layer hidden states, which this model "
+                    f"({type(model).__name__}) cannot return (it lacks vLLM's "
+                    "SupportsEagle3 interface)")
+            model.set_aux_hidden_state_layers(layers)
+            self.use_aux_hidden_state_outputs = True
+            return None
+        return original_setup_aux(self)
+
+    cls._setup_eagle3_aux_hidden_state_outputs = _setup_eagle3_aux_hidden_state_outputs
     cls.execute_model = execute_model
     cls._sample = _sample
     cls.propose_draft_token_ids = propose_draft_token_ids
@@ -333,12 +397,39 @@ def _group_of(req_id: str, state) -> str:
     return req_id
 
 
-def _propose(runner, scheduler_output, sampled_token_ids, spec_decode_metadata):
+def _propose(runner, scheduler_output, sampled_token_ids, spec_decode_metadata,
+             common_attn_metadata=None, aux_hidden_states=None):
     ctx = build_context(runner, scheduler_output, sampled_token_ids)
+    if getattr(runner.drafter, "SELF_DRAFT", False) and common_attn_metadata is not None:
+        _add_self_draft(runner, ctx, common_attn_metadata, aux_hidden_states)
     drafts: Drafts = runner.drafter.step(ctx)
     tokens = [list(map(int, t)) for t in drafts.tokens]
     _set_draft_probs(runner, drafts, ctx)
     return tokens
+
+
+def _add_self_draft(runner, ctx: StepContext, common_attn_metadata,
+                    aux_hidden_states) -> None:
+    """The target's layers, and where each request's verified rows are.
+
+    CommonAttentionMetadata (the step's, as the runner passes it to
+    propose_draft_token_ids): block_table_tensor rows follow the batch order;
+    query_start_loc_cpu gives each request's scheduled token rows, whose last
+    num_draft + 1 were verified.
+    """
+    from vllm_plugins.self_draft import TargetLayers
+
+    ctx.target = TargetLayers(runner, common_attn_metadata.block_table_tensor)
+    qsl = common_attn_metadata.query_start_loc_cpu.numpy()
+    for i, req in enumerate(ctx.requests):
+        if i + 1 < len(qsl) and not req.in_prefill:
+            end = int(qsl[i + 1])
+            req.verify_rows = np.arange(end - req.num_draft - 1, end)
+    if aux_hidden_states:
+        # The model appends streams in layer order (set_aux_hidden_state_layers
+        # stores the sorted set).
+        layers = sorted(set(getattr(runner.drafter, "aux_layers", ())))
+        ctx.aux_streams = dict(zip(layers, aux_hidden_states))
 
 
 def _set_draft_probs(runner, drafts: Drafts, ctx: StepContext) -> None:

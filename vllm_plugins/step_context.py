@@ -41,6 +41,9 @@ class RequestStep:
     sampling_params: object = None
     # Position of this request's parent prompt group (n > 1 samples share it).
     group_id: str = ""
+    # Self-drafting methods only: rows of this step's token batch at the
+    # verified positions (aligned with verified_tokens / topk_*).
+    verify_rows: np.ndarray | None = None
 
     @property
     def num_accepted_drafts(self) -> int:
@@ -64,6 +67,12 @@ class StepContext:
     last_step_seconds: float | None = None
     # Tokens the previous step scheduled in total (all requests, drafts included).
     last_step_tokens: int = 0
+    # Self-drafting methods only (proposer.SELF_DRAFT): the target's layers as
+    # a drafter (vllm_plugins.self_draft.TargetLayers), and the verification
+    # pass's residual stream after each layer the proposer asked for in
+    # ``aux_layers`` ({layers run: tensor [tokens, hidden]}).
+    target: object = None
+    aux_streams: dict | None = None
 
     @property
     def batch_size(self) -> int:

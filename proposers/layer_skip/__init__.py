@@ -1,0 +1,2 @@
+"""Self-speculation with the target's own layers: SWIFT (layer skip) and DEL
+(dynamic early exit). The partial forwards live in vllm_plugins.self_draft."""

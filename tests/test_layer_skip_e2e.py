@@ -1,0 +1,50 @@
+"""SWIFT and DEL inside vllm.LLM: lossless against vLLM's own greedy tokens.
+
+The same checks as tests/test_e2e_speculative.py (20 Spec-Bench prompts at
+batch 1; batch 8 with mixed lengths and an abort midway; a sampled run; a
+grammar request refused), run on the two self-drafting methods, whose drafts
+come from the target's own layers inside vLLM's paged KV cache.
+"""
+
+import pytest
+
+from tests.conftest import shutdown
+from tests.test_e2e_speculative import (  # noqa: F401  (collected here too)
+    N_PROMPTS, base, engine, prompts, test_batch1_greedy_identical,
+    test_batch8_mixed_lengths_with_abort_identical,
+    test_grammar_request_refused_while_speculating,
+    test_sampled_run_completes_with_seed)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", params=[
+    # A short search so the chosen skip set drafts for most of the test.
+    {"method": "swift", "num_speculative_tokens": 4, "skip_ratio": 0.2,
+     "search_rounds": 8},
+    {"method": "del", "num_speculative_tokens": 4},
+], ids=["swift", "del"])
+def spec(request, model_path):
+    llm = engine(model_path, request.param)
+    llm.n_prompts = N_PROMPTS
+    yield llm
+    shutdown(llm)
+
+
+def test_self_draft_reports_its_choices(spec, prompts):
+    """The engine-side metrics name what the method chose (skip set or exit
+    layers), and the drafts were produced by the target's layers."""
+    from vllm_plugins.bench.engines import engine_stats, run_batch
+
+    run_batch(spec, prompts[:2], __import__("vllm").SamplingParams(
+        temperature=0.0, max_tokens=48))
+    proposer = engine_stats(spec)["proposer"]
+    assert proposer["num_errors"] == 0
+    assert proposer["drafted"] > 0
+    if "skip_attn" in proposer:  # swift
+        skipped = len(proposer["skip_attn"]) + len(proposer["skip_mlp"])
+        assert skipped == round(0.2 * 60)
+        assert proposer["candidates_scored"] >= 8
+    else:  # del
+        assert sum(proposer["shadow_trials"]) > 0
+        assert proposer["chosen_exits"]
