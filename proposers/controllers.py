@@ -571,15 +571,18 @@ class ConfidenceCalibrator:
         self.gn *= self._gdecay
         self.gps *= self._gdecay
         self.gpn *= self._gdecay
-        np.add.at(self.gs, b, x)
-        np.add.at(self.gn, b, 1.0)
-        np.add.at(self.gps, (j_idx, b), x)
-        np.add.at(self.gpn, (j_idx, b), 1.0)
-        hr = rows[has]
+        nb = self.bins
+        self.gs += np.bincount(b, weights=x, minlength=nb)
+        self.gn += np.bincount(b, minlength=nb)
+        cell = j_idx * nb + b
+        self.gps += np.bincount(cell, weights=x, minlength=self.depth * nb
+                                ).reshape(self.depth, nb)
+        self.gpn += np.bincount(cell, minlength=self.depth * nb).reshape(self.depth, nb)
+        hr = rows[has]          # rows of one step are distinct
         a["cal_s"][hr] *= self.decay
         a["cal_e"][hr] *= self.decay
-        np.add.at(a["cal_s"], rows[r_idx], x)
-        np.add.at(a["cal_e"], rows[r_idx], expected)
+        a["cal_s"][rows] += np.bincount(r_idx, weights=x, minlength=len(rows))
+        a["cal_e"][rows] += np.bincount(r_idx, weights=expected, minlength=len(rows))
 
     def calibrate(self, rows: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities, same shape as ``conf`` (column j = draft
