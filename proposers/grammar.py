@@ -105,6 +105,9 @@ class GrammarProposer(PluginProposer):
             cls = METHODS[name].proposer_class()
             self.inner = cls(vllm_config, options=inner_opts, vocab_size=self.vocab_size)
             self.TOPK = self.inner.TOPK  # the bridge extracts top-k for the inner
+            # A self-drafting inner (swift, del) needs the bridge's target
+            # layers and KV lookahead: the bridge reads these from the outer.
+            self.SELF_DRAFT = getattr(self.inner, "SELF_DRAFT", False)
         self._so_config = getattr(vllm_config, "structured_outputs_config", None)
         self._model_config = getattr(vllm_config, "model_config", None)
         self._tokenizer = tokenizer
@@ -129,6 +132,7 @@ class GrammarProposer(PluginProposer):
         super().load_model(target_model)
         if self.inner is not None:
             self.inner.load_model(target_model)
+            self.aux_layers = getattr(self.inner, "aux_layers", ())
 
     # ------------------------------------------------------------ lifecycle
     def free(self, req_id: str) -> None:

@@ -190,6 +190,11 @@ def test_plugin_lookahead_only_for_self_drafting_methods():
     assert plugin_lookahead(config("swift")) == 5
     assert plugin_lookahead(config("del")) == 5
     assert plugin_lookahead(config("token_recycling")) == 0
+    composed = config("grammar")
+    getattr(composed, PLUGIN_OPTIONS_ATTR)["inner"] = {"method": "swift"}
+    assert plugin_lookahead(composed) == 5
+    getattr(composed, PLUGIN_OPTIONS_ATTR)["inner"] = "token_recycling"
+    assert plugin_lookahead(composed) == 0
     assert plugin_lookahead(SimpleNamespace(model="x.Y", num_speculative_tokens=3)) == 0
 
 

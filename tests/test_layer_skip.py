@@ -144,12 +144,14 @@ def test_draft_vocab_shortlist_matches_full_head_inside_it():
     vocab.observe(np.array([3, 3, 3, 7, 7, 9, 11, 30, 30, 30, 30]))
     hidden = torch.randn(2, 8)
     with torch.no_grad():
-        out = vocab.logits(target, hidden)
+        small, ids = vocab.logits(target, hidden)
         full = target.logits(hidden)
-    keep = sorted({3, 7, 9, 11, 30})
-    assert torch.allclose(out[:, keep], full[:, keep], atol=1e-6)
-    others = [i for i in range(32) if i not in keep]
-    assert torch.isinf(out[:, others]).all()
+    assert ids.tolist() == [3, 7, 9, 11, 30]
+    assert torch.allclose(small, full[:, ids], atol=1e-6)
+    # with no plain head matrix, the full head is used
+    target.model.logits_processor.soft_cap = 30.0
+    out, none = vocab.logits(target, hidden)
+    assert none is None and out.shape == (2, 32)
 
 
 # ------------------------------------------------------------------ options
@@ -172,3 +174,15 @@ def test_self_drafting_methods_translate_to_custom_class():
     assert spec["num_speculative_tokens"] == 5 and opts["skip_ratio"] == 0.3
     spec, opts = translate({"method": "del", "exit_layers": [10, 20]})
     assert spec["model"].endswith("DynamicExitProposer") and opts["exit_layers"] == [10, 20]
+
+
+def test_grammar_around_a_self_drafting_method_exposes_it_to_the_bridge():
+    from vllm_plugins.proposers.grammar import GrammarProposer
+
+    outer = GrammarProposer(options={"inner": {"method": "del", "draft_vocab": 0}},
+                            vocab_size=32)
+    assert outer.SELF_DRAFT
+    outer.load_model(_fake_target())
+    assert outer.aux_layers == (4, 6, 8, 10)
+    assert not GrammarProposer(options={"inner": "token_recycling"},
+                               vocab_size=32).SELF_DRAFT

@@ -179,9 +179,17 @@ def plugin_lookahead(speculative_config) -> int:
     # custom_class: SpeculativeConfig.model holds the proposer's class path.
     import importlib
 
+    from vllm_plugins.registry import METHODS
+
     module, _, name = str(speculative_config.model).rpartition(".")
-    cls = getattr(importlib.import_module(module), name)
-    if not getattr(cls, "SELF_DRAFT", False):
+    classes = [getattr(importlib.import_module(module), name)]
+    # A composing method (grammar) drafts with its "inner" method's class too.
+    options = getattr(speculative_config, PLUGIN_OPTIONS_ATTR)
+    inner = options.get("inner") if isinstance(options, dict) else None
+    inner = inner.get("method") if isinstance(inner, dict) else inner
+    if isinstance(inner, str) and inner in METHODS:
+        classes.append(METHODS[inner].proposer_class())
+    if not any(getattr(cls, "SELF_DRAFT", False) for cls in classes):
         return 0
     return int(speculative_config.num_speculative_tokens or 0)
 

@@ -188,8 +188,9 @@ class TargetLayers:
               max_lengths: np.ndarray | None = None) -> SelfDraftResult:
         """Greedy drafts, ``steps`` per request, writing the run layers' K/V at
         the draft positions (recomputed by the next verification).
-        ``head`` maps final hidden states to logits (default: the target's LM
-        head); ``max_lengths`` caps each request's draft.
+        ``head`` maps final hidden states to (logits, token ids of the logit
+        columns or None for the full vocabulary); default: the target's LM
+        head. ``max_lengths`` caps each request's draft.
 
         A request stops drafting (its ``length``) at the first token whose
         draft probability is below ``stop_below``; the batch runs on while any
@@ -204,7 +205,7 @@ class TargetLayers:
         lengths = (np.full(num, steps, dtype=np.int64) if max_lengths is None
                    else np.minimum(np.asarray(max_lengths, dtype=np.int64), steps))
         active = lengths > 0
-        head = head or self.logits
+        head = head or (lambda h: (self.logits(h), None))
         for j in range(steps):
             idx = np.flatnonzero(active)
             if idx.size == 0:
@@ -215,8 +216,11 @@ class TargetLayers:
                                        pos + 1, pos, write_kv=True)
             hidden, _ = self._forward(tokens[sel].to(self.device), pos.to(self.device),
                                       plan, md, slots)
-            probs = torch.softmax(head(hidden).float(), dim=-1)
+            logits, ids = head(hidden)
+            probs = torch.softmax(logits.float(), dim=-1)
             p, t = probs.max(dim=-1)
+            if ids is not None:
+                t = ids[t]
             t_np = t.cpu().numpy()
             p_np = p.cpu().numpy()
             out_tok[idx, j] = t_np

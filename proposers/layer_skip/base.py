@@ -41,21 +41,18 @@ class DraftVocab:
         np.add.at(self.counts, tokens, 1.0)
         self._since_refresh += len(tokens)
 
-    def logits(self, target, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-vocab logits with -inf outside the shortlist."""
+    def logits(self, target, hidden: torch.Tensor):
+        """(logits over the shortlist, their token ids); the full head's
+        (logits, None) when the model's head is not a plain product."""
         weight = _head_weight(target)
         if weight is None:
-            return target.logits(hidden)
+            return target.logits(hidden), None
         if self.ids is None or self._since_refresh > 4 * self.size:
             top = np.argsort(-self.counts, kind="stable")[: self.size]
             self.ids = torch.as_tensor(np.sort(top), device=hidden.device)
             self.weight = weight.index_select(0, self.ids)
             self._since_refresh = 0
-        small = torch.nn.functional.linear(hidden, self.weight)
-        out = torch.full((hidden.shape[0], target.vocab_size), float("-inf"),
-                         dtype=small.dtype, device=hidden.device)
-        out[:, self.ids] = small
-        return out
+        return torch.nn.functional.linear(hidden, self.weight), self.ids
 
 
 def _head_weight(target) -> torch.Tensor | None:

@@ -144,8 +144,11 @@ class DynamicExitProposer(SelfDraftProposer):
                 continue
             with torch.inference_mode():
                 hidden = ctx.target.inner.norm(stream[rows_t.to(stream.device)])
-                logits = head(hidden) if head else ctx.target.logits(hidden)
-                hit = (logits.argmax(-1).cpu().numpy() == toks_np)
+                logits, ids = head(hidden) if head else (ctx.target.logits(hidden), None)
+                pred = logits.argmax(-1)
+                if ids is not None:
+                    pred = ids[pred]
+                hit = pred.cpu().numpy() == toks_np
             self.hits[j] += hit.sum()
             self.trials[j] += len(hit)
             for owner, h in zip(owners, hit):
