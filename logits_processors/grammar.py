@@ -24,6 +24,12 @@ V2 runner is off) and the V2 runner (``vllm.v1.worker.gpu.sample.logits_processo
 The V2 loader rejects plugins that are not V2 subclasses, so a V1-only class
 behind the entry point would stop every V2 engine from starting.
 
+Grammar-aligned sampling: ``{"grammar": {..., "aligned": true}}`` reweights the
+allowed tokens by ASAp's bounds on expected future grammaticality (:mod:`.asap`)
+so that repeated samples of one prompt converge to the model's distribution
+conditioned on the grammar; V1 runner only (on V2 such requests are masked
+plainly, with a warning).
+
 Termination: when the grammar is complete and admits nothing more (llguidance
 matcher stopped), the request's EOS token is forced; while the grammar could
 end or go on, EOS is allowed along with the continuations.
@@ -46,6 +52,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
     LogitsProcessor as _V2LogitsProcessor,
 )
 
+from .asap import AsapCursor, AsapStore, max_nodes_from_env
 from .masking import GrammarRuntime, runtime_for
 from .spec import (
     GRAMMAR_KEY,
@@ -65,12 +72,13 @@ logger = init_logger(__name__)
 __all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
 
 _PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
+_SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
 
 
 class _GrammarRequest:
     """One request's matcher and how far it has read the request's output."""
 
-    __slots__ = ("matcher", "output", "n_consumed", "eos", "failed")
+    __slots__ = ("matcher", "output", "n_consumed", "eos", "failed", "asap")
 
     def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int] | None, eos: int):
         self.matcher = matcher
@@ -81,6 +89,8 @@ class _GrammarRequest:
         self.eos = eos
         # Set once; a failed request is forced to EOS (fail closed, logged).
         self.failed: str | None = None if matcher is not None else "grammar unavailable"
+        # ``"aligned": true`` (V1): this request's walk down its prompt's ASAp trie.
+        self.asap: AsapCursor | None = None
 
     def consume(self, tokens: list[int]) -> None:
         if self.failed or not tokens:
@@ -89,10 +99,12 @@ class _GrammarRequest:
         if m.is_stopped():
             # Only EOS was allowed; anything after it (ignore_eos) is not grammar text.
             self.n_consumed += len(tokens)
-            return
-        if not m.consume_tokens(tokens):
-            self.failed = m.get_error() or "token rejected by the grammar"
-        self.n_consumed += len(tokens)
+        else:
+            if not m.consume_tokens(tokens):
+                self.failed = m.get_error() or "token rejected by the grammar"
+            self.n_consumed += len(tokens)
+        if self.asap is not None and not self.failed:
+            self.asap.advance(tokens)  # stops by itself at EOS
 
     def advance_v1(self) -> bool:
         """Consume output tokens not yet seen; False if some are still placeholders."""
@@ -139,6 +151,10 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         # V1: batch index -> request. V2: persistent slot -> request.
         self._reqs: dict[int, _GrammarRequest] = {}
         self._logged: set[str] = set()
+        # ASAp tries of "aligned" requests, built at the first one; the cap is
+        # read (and a bad value refused) at engine start.
+        self._asap: AsapStore | None = None
+        self._asap_max_nodes = max_nodes_from_env()
         self._idle = _is_duplicate(vllm_config)
         if self._idle:
             logger.info(
@@ -170,6 +186,11 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         if sampling_params.structured_outputs is not None:
             raise GrammarSpecError(
                 f'give either extra_args["{GRAMMAR_KEY}"] or structured_outputs, not both'
+            )
+        if compiled.aligned and sampling_params.temperature < _SAMPLING_EPS:
+            raise GrammarSpecError(
+                f'extra_args["{GRAMMAR_KEY}"]["aligned"] needs random sampling '
+                f"(temperature > 0); got temperature={sampling_params.temperature}"
             )
 
     def is_argmax_invariant(self) -> bool:
@@ -203,7 +224,8 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         return self._runtime
 
     def _new_request(
-        self, params: "SamplingParams", output: list[int] | None
+        self, params: "SamplingParams", output: list[int] | None,
+        prompt: list[int] | None = None,
     ) -> _GrammarRequest | None:
         raw = grammar_request(params.extra_args)
         if raw is None:
@@ -226,7 +248,52 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
             req = _GrammarRequest(None, output, eos)
             req.failed = matcher.get_error()
             return req
-        return _GrammarRequest(matcher, output, eos)
+        req = _GrammarRequest(matcher, output, eos)
+        if compiled.aligned:
+            req.asap = self._asap_cursor(compiled, params, prompt, eos, rt.eos_token)
+        return req
+
+    def _asap_cursor(self, compiled: CompiledGrammar, params: "SamplingParams",
+                     prompt: list[int] | None, eos: int, ll_eos: int) -> AsapCursor | None:
+        """The request's cursor on the trie shared by its (grammar, prompt, setting)."""
+        if self._v2:
+            self._log_once("asap:v2", "grammar 'aligned' sampling runs on vLLM's V1 model "
+                           "runner only; on V2 such requests are masked plainly")
+            return None
+        if params.temperature < _SAMPLING_EPS:  # validate_params refuses this
+            return None
+        if self._asap is None:
+            self._asap = AsapStore(self._asap_max_nodes)
+        # Everything that shapes the distribution the processor sees (vLLM's
+        # builtin logit bias and min_tokens run before it) or samples from.
+        setting = repr((params.temperature, sorted((params.logit_bias or {}).items()),
+                        params.min_tokens, eos, params.allowed_token_ids,
+                        params.bad_words))
+        key = AsapStore.key(compiled.grammar, prompt, setting)
+        return self._asap.cursor(key, (eos, ll_eos), params.temperature)
+
+    def _align(self, logits: torch.Tensor, aligned: list[tuple[int, _GrammarRequest]],
+               raw: list[torch.Tensor]) -> None:
+        """ASAp: reweight masked rows by the bounds of the children already sampled."""
+        for (row, req), raw_row in zip(aligned, raw):
+            cursor = req.asap
+            if req.failed or self._runtime is None:
+                cursor.done = True
+                continue
+            res = cursor.observe(raw_row, logits[row])
+            if res is None:
+                continue
+            toks, offsets = res
+            index = torch.tensor(toks, device=logits.device)
+            before = logits[row, index]
+            logits[row, index] = before + torch.tensor(offsets, dtype=logits.dtype,
+                                                       device=logits.device)
+            if all(o == float("-inf") for o in offsets) and not torch.isfinite(logits[row]).any():
+                # Every allowed token is a known dead end (bounds of 0, e.g. all
+                # grammatical paths have probability 0): sample as plain masking.
+                logits[row, index] = before
+                self._log_once("asap:dead", "grammar 'aligned': every allowed token "
+                               "has a future-grammaticality bound of 0; masking plainly")
 
     def _mask(self, logits: torch.Tensor, rows: list[int], reqs: list[_GrammarRequest],
               drafts: list[list[int]] | None = None) -> torch.Tensor:
@@ -243,6 +310,9 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         force_rows: list[int] = []
         force_toks: list[int] = []
         n_logits = logits.shape[0]
+        aligned = [(row, req) for row, req in zip(rows, reqs)
+                   if req.asap is not None and not req.asap.done and not drafts]
+        raw = [logits[row].clone() for row, _ in aligned]  # before the mask
         for i, (row, req) in enumerate(zip(rows, reqs)):
             if req.failed:
                 self._log_once(f"failed:{req.failed}",
@@ -284,6 +354,8 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
             rt.apply(logits, mask_rows, mask_rows)
         if force_rows:
             GrammarRuntime.force_token(logits, force_rows, force_toks)
+        if aligned:
+            self._align(logits, aligned, raw)
         return logits
 
     # -------------------------------------------------------------- V1 API
@@ -292,15 +364,14 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
             return
         reqs = self._reqs
         for index in batch_update.removed:
-            reqs.pop(index, None)
-        for index, params, _prompt, output in batch_update.added:
+            self._drop(index)
+        for index, params, prompt, output in batch_update.added:
+            self._drop(index)
             extra = params.extra_args
             if extra and GRAMMAR_KEY in extra:
-                req = self._new_request(params, output)
+                req = self._new_request(params, output, prompt)
                 if req is not None:
                     reqs[index] = req
-                    continue
-            reqs.pop(index, None)
         if reqs:
             for a, b, direction in batch_update.moved:
                 ra = reqs.pop(a, None)
@@ -309,6 +380,13 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
                     reqs[b] = ra
                 if rb is not None and direction == MoveDirectionality.SWAP:
                     reqs[a] = rb
+                elif rb is not None and rb.asap is not None:
+                    rb.asap.finish()  # overwritten by the move: its sample is over
+
+    def _drop(self, index: int) -> None:
+        req = self._reqs.pop(index, None)
+        if req is not None and req.asap is not None:
+            req.asap.finish()  # the sample is over: ASAp tightens its path's bounds
 
     def _apply_v1(self, logits: torch.Tensor) -> torch.Tensor:
         rows: list[int] = []

@@ -8,12 +8,15 @@ A request asks for constrained decoding through ``SamplingParams.extra_args``::
     {"grammar": {"lark": "start: ..."}}       # llguidance's Lark dialect
 
 or the same dict as JSON text (``{"grammar": "{\\"regex\\": \\"a+\\"}"}``): the
-OpenAI server's ``vllm_xargs`` carries only strings and numbers. Plus one
-optional setting for the two JSON kinds::
+OpenAI server's ``vllm_xargs`` carries only strings and numbers. Plus optional
+settings::
 
-    "whitespace_flexible": bool   # default True (as vLLM's guidance backend):
-                                  # any JSON whitespace between tokens; False
-                                  # allows none, e.g. {"a":1,"b":[2]}
+    "whitespace_flexible": bool   # JSON kinds only. Default True (as vLLM's
+                                  # guidance backend): any JSON whitespace
+                                  # between tokens; False allows none
+    "aligned": bool               # any kind. Default False. True: grammar-
+                                  # aligned sampling (ASAp, see .asap) instead
+                                  # of plain masking; needs temperature > 0
 
 This module imports neither torch nor vLLM: the frontend process runs
 :func:`validate_grammar_request` once per request (through
@@ -36,7 +39,10 @@ GRAMMAR_KEY = "grammar"
 #: Exactly one of these must be present in ``extra_args["grammar"]``.
 GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 #: Optional settings and the kinds they apply to.
-OPTION_KINDS = {"whitespace_flexible": ("json_schema", "json_object")}
+OPTION_KINDS = {
+    "whitespace_flexible": ("json_schema", "json_object"),
+    "aligned": GRAMMAR_KINDS,
+}
 
 _WHERE = f'extra_args["{GRAMMAR_KEY}"]'
 
@@ -56,6 +62,8 @@ class CompiledGrammar:
     grammar: str
     #: warnings llguidance reported while validating (e.g. ignored keywords).
     warnings: tuple[str, ...] = ()
+    #: ``"aligned": true``: sample with ASAp (:mod:`.asap`) rather than plain masking.
+    aligned: bool = False
 
 
 def grammar_request(extra_args: dict[str, Any] | None) -> Any | None:
@@ -87,8 +95,8 @@ def _schema_text(value: Any) -> str:
         raise GrammarSpecError(f"{where} is not JSON-serializable: {e}") from e
 
 
-def _to_llguidance(raw: Any) -> tuple[str, str]:
-    """Check the shape of ``extra_args["grammar"]``; return (kind, llguidance grammar)."""
+def _to_llguidance(raw: Any) -> tuple[str, str, bool]:
+    """Check the shape of ``extra_args["grammar"]``; return (kind, llguidance grammar, aligned)."""
     if isinstance(raw, str):
         # The OpenAI server's ``vllm_xargs`` only carries strings and numbers,
         # so there the whole spec comes as JSON text.
@@ -124,6 +132,9 @@ def _to_llguidance(raw: Any) -> tuple[str, str]:
                 f"not to {kind}"
             )
     value = raw[kind]
+    aligned = raw.get("aligned", False)
+    if not isinstance(aligned, bool):
+        raise GrammarSpecError(f'{_WHERE}["aligned"] must be true or false, got {aligned!r}')
 
     if kind in ("json_schema", "json_object"):
         flexible = raw.get("whitespace_flexible", True)
@@ -146,15 +157,15 @@ def _to_llguidance(raw: Any) -> tuple[str, str]:
             )
         except (ValueError, TypeError) as e:
             raise GrammarSpecError(f'{_WHERE}["{kind}"] is not usable: {e}') from e
-        return kind, grammar
+        return kind, grammar, aligned
 
     if not isinstance(value, str) or not value:
         raise GrammarSpecError(
             f'{_WHERE}["{kind}"] must be a non-empty string, got {value!r:.80}'
         )
     if kind == "regex":
-        return kind, llguidance.LLMatcher.grammar_from_regex(value)
-    return kind, llguidance.LLMatcher.grammar_from_lark(value)
+        return kind, llguidance.LLMatcher.grammar_from_regex(value), aligned
+    return kind, llguidance.LLMatcher.grammar_from_lark(value), aligned
 
 
 def _cache_key(raw: Any) -> str | None:
@@ -189,7 +200,7 @@ _COMPILED: _LRU = _LRU(512)
 
 def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
     try:
-        kind, grammar = _to_llguidance(raw)
+        kind, grammar, aligned = _to_llguidance(raw)
     except GrammarSpecError as e:
         return e
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -202,7 +213,7 @@ def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
             "lark": "is not a valid llguidance Lark grammar",
         }[kind]
         return GrammarSpecError(f'{_WHERE}["{kind}"] {what}: {msg}')
-    return CompiledGrammar(kind, grammar, tuple(messages))
+    return CompiledGrammar(kind, grammar, tuple(messages), aligned)
 
 
 def compile_grammar_request(raw: Any) -> CompiledGrammar:

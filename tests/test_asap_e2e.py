@@ -1,0 +1,146 @@
+"""ASAp through a vLLM engine: ``{"grammar": {..., "aligned": true}}`` in the engine path.
+
+Slow (one engine start with a tiny random Llama): ``pytest -m slow``. The
+processor comes from the package's entry point only, as in a server. Plain
+requests are drawn in one batch; aligned ones in rounds, so that later rounds
+see the bounds learnt from earlier ones. The target (the model's distribution
+conditioned on the grammar) is enumerated with the same weights in
+transformers, as in tests/test_asap.py.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("vllm")
+
+from tests.test_asap import (  # noqa: E402
+    LARK,
+    PROMPT_TEXT,
+    by_text,
+    enumerate_language,
+    noise_bound,
+    tv,
+)
+
+ROUNDS, PER_ROUND = 20, 10
+N_PLAIN = 100
+LATER = 100  # aligned samples of the last rounds, compared with the target
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from vllm_plugins.testing import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("asap_e2e") / "tiny", num_layers=2)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with pytest.MonkeyPatch.context() as mp:
+        # collective_rpc with a Python callable (to look inside the worker)
+        mp.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        from vllm import LLM
+
+        engine = LLM(model=tiny, enforce_eager=True, dtype="float32", max_model_len=256,
+                     max_num_seqs=PER_ROUND, kv_cache_memory_bytes=64 * 2**20, seed=0)
+        yield engine
+        try:
+            engine.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+        del engine
+        gc.collect()
+
+
+def _params(aligned, temperature=1.0, seed=None):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=temperature, max_tokens=12, seed=seed,
+                          extra_args={"grammar": {"lark": LARK, "aligned": aligned}})
+
+
+def _target(tiny, prompt):
+    """(target, plain-masking) distributions over texts, enumerated exactly."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    model = LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny)
+
+    def lm(ids):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].float()
+
+    config = EngineArgs(model=tiny, max_model_len=256, enforce_eager=True,
+                        dtype="float32").create_engine_config()
+    proc = GrammarLogitsProcessor(config, torch.device("cpu"), False)
+    lang = enumerate_language(proc, lm, prompt, tok.eos_token_id, 1.0)
+    z = sum(p for p, _ in lang.values())
+    return (by_text(tok, {s: p / z for s, (p, _) in lang.items()}),
+            by_text(tok, {s: q for s, (_, q) in lang.items()}))
+
+
+def _texts(outs):
+    from collections import Counter
+
+    c = Counter(o.outputs[0].text for o in outs)
+    n = sum(c.values())
+    return {k: v / n for k, v in c.items()}
+
+
+def test_aligned_requests_move_toward_the_grammar_conditioned_distribution(llm, tiny):
+    from vllm.inputs import TokensPrompt
+
+    tok = llm.get_tokenizer()
+    prompt = tuple(tok.encode(PROMPT_TEXT, add_special_tokens=False))
+    target, plain_exact = _target(tiny, prompt)
+    distortion = tv(plain_exact, target)
+    p = TokensPrompt(prompt_token_ids=list(prompt))
+
+    plain_outs = llm.generate([p] * N_PLAIN, _params(False), use_tqdm=False)
+    aligned_outs = []
+    for r in range(ROUNDS):
+        aligned_outs += llm.generate([p] * PER_ROUND, _params(True), use_tqdm=False)
+    for o in plain_outs + aligned_outs:
+        assert o.outputs[0].text in target, o.outputs[0].text  # grammatical
+        assert o.outputs[0].finish_reason == "stop"
+    plain, later = _texts(plain_outs), _texts(aligned_outs[-LATER:])
+    print(f"\nTV to target: plain {tv(plain, target):.3f} (exact {distortion:.3f}), "
+          f"aligned last {LATER} {tv(later, target):.3f}")
+    assert tv(plain, target) > distortion - noise_bound(plain_exact, N_PLAIN)
+    assert tv(later, target) < noise_bound(target, LATER)
+    assert noise_bound(target, LATER) < distortion - noise_bound(plain_exact, N_PLAIN)
+
+    # One trie in the worker, shared by all aligned requests of this prompt.
+    (sizes,) = llm.collective_rpc(
+        lambda w: [len(lp._asap) if lp._asap is not None else 0
+                   for lp in w.model_runner.input_batch.logitsprocs.all
+                   if type(lp).__name__ == "GrammarLogitsProcessor" and not lp._idle]
+    )
+    assert sizes == [1]
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"aligned": "yes"}, r'\["aligned"\] must be true or false'),
+    ({"aligned": True, "temperature": 0.0}, r'\["aligned"\] needs random sampling'),
+])
+def test_bad_aligned_requests_fail_alone(llm, params, needle):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    params = dict(params)
+    temperature = params.pop("temperature", 1.0)
+    bad = SamplingParams(temperature=temperature, max_tokens=4,
+                         extra_args={"grammar": {"lark": LARK, **params}})
+    with pytest.raises(VLLMValidationError, match=needle):
+        llm.generate(["x"], bad, use_tqdm=False)
+    (ok,) = llm.generate(["x"], _params(True), use_tqdm=False)
+    assert ok.outputs[0].text in ("true", "false", "unknown")
