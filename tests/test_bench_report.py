@@ -149,3 +149,11 @@ def test_wide_markdown_one_line_per_category():
     md = wide_markdown(rows).splitlines()
     assert md[0] == "| category | none tok/s | tr MAT / speedup |"
     assert md[2] == "| qa | 10.0 | 2.00 / 1.50x |" and md[3] == "| rag |  | 3.00 / - |"
+
+
+def test_markdown_says_when_nothing_was_compared():
+    from vllm_plugins.bench.report import markdown
+
+    row = {"category": "qa", "method": "tr", "MAT": 2.0, "acceptance": None,
+           "tok/s": 5.0, "speedup": None, "mismatches": None, "requests": 3}
+    assert markdown([row]).splitlines()[-1] == "| qa | tr | 2.00 |  | 5.0 |  | - |"

@@ -190,6 +190,8 @@ def main(argv=None) -> int:
         rows = tally.table(runs, categories)
         for r in rows:
             r["batch"] = size
+            if args.mat_only:
+                r["mismatches"] = None   # nothing to compare with
         all_rows += rows
         for m in runs:
             if "none" in times and m != "none":

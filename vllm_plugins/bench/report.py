@@ -49,8 +49,10 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         sp = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        mm = ("-" if r["mismatches"] is None    # no baseline ran (--mat-only)
+              else f"{r['mismatches']}/{r['requests']}")
         lines.append(f"| {r['category']} | {r['method']} | {r['MAT']:.2f} | {acc} | "
-                     f"{r['tok/s']:.1f} | {sp} | {r['mismatches']}/{r['requests']} |")
+                     f"{r['tok/s']:.1f} | {sp} | {mm} |")
     return "\n".join(lines)
 
 
