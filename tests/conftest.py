@@ -13,6 +13,17 @@ def model_path():
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def base(model_path):
+    """The reference engine (no speculation), shared by the e2e modules that
+    compare a speculative engine's greedy tokens with vLLM's own."""
+    from vllm_plugins.bench.engines import build_engine
+
+    llm = build_engine(model_path, None, max_num_seqs=8, max_model_len=1024)
+    yield llm
+    shutdown(llm)
+
+
 def shutdown(llm) -> None:
     """Free an engine's processes now, not at interpreter exit."""
     try:

@@ -26,13 +26,6 @@ def prompts(base):
     return [render(tok, q) for q in qs]
 
 
-@pytest.fixture(scope="module")
-def base(model_path):
-    llm = engine(model_path, None)
-    yield llm
-    shutdown(llm)
-
-
 @pytest.fixture(scope="module", params=[
     {"method": "token_recycling", "num_speculative_tokens": 6},
     {"method": "token_recycling", "num_speculative_tokens": 4,
