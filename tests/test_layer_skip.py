@@ -107,6 +107,24 @@ def test_del_drafts_nothing_when_no_exit_agrees():
     p = _del()
     j, k, _ = p.choose(np.full(len(p.exits), 0.02), max_k=5)
     assert k == 0
+    always = _del(min_value=0.0)  # the knob that makes it draft regardless
+    assert always.choose(np.full(len(p.exits), 0.02), max_k=5)[1] >= 1
+
+
+def test_del_costs_follow_the_measured_draft_and_step_times():
+    from vllm_plugins.self_draft import LayerPlan
+
+    p = _del()
+    assert np.allclose(p.step_costs(), p.cost)  # nothing timed yet: parameters
+    p.step_seconds = 0.1
+    p.forward_seconds[LayerPlan.early_exit(12, 8)] = 0.16  # slower than a step
+    costs = p.step_costs()
+    j = list(p.exits).index(8)
+    assert costs[j] == pytest.approx(1.6)
+    ratio = costs / (p.cost - p.options["draft_step_overhead"])
+    assert np.allclose(ratio, ratio[0])  # other exits scaled alike
+    # A draft forward dearer than a step never pays, however good the exit.
+    assert p.choose(np.full(len(p.exits), 0.99), max_k=5)[1] == 0
 
 
 def test_del_drafts_long_and_cheap_when_exits_agree():

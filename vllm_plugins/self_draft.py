@@ -26,8 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import time
+
 import numpy as np
 import torch
+
+# Seconds spent in this worker's partial forwards, by part (read by metrics).
+SECONDS = {"metadata": 0.0, "layers": 0.0, "head": 0.0}
 
 
 @dataclass(frozen=True)
@@ -212,10 +217,13 @@ class TargetLayers:
                 break
             sel = torch.as_tensor(idx)
             pos = positions[sel] + j
+            t0 = time.perf_counter()
             md, slots = self._metadata(rows[sel], torch.ones(idx.size, dtype=torch.int64),
                                        pos + 1, pos, write_kv=True)
+            t1 = time.perf_counter()
             hidden, _ = self._forward(tokens[sel].to(self.device), pos.to(self.device),
                                       plan, md, slots)
+            t2 = time.perf_counter()
             logits, ids = head(hidden)
             probs = torch.softmax(logits.float(), dim=-1)
             p, t = probs.max(dim=-1)
@@ -230,6 +238,10 @@ class TargetLayers:
             active[idx[low]] = False
             active &= lengths > j + 1
             tokens[sel] = t.cpu()
+            t3 = time.perf_counter()
+            SECONDS["metadata"] += t1 - t0
+            SECONDS["layers"] += t2 - t1
+            SECONDS["head"] += t3 - t2
         return SelfDraftResult(out_tok, out_p, lengths)
 
     # ---------------------------------------------------------------- score

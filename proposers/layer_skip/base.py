@@ -17,6 +17,8 @@ simply never drafted.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -85,6 +87,14 @@ class SelfDraftProposer(PluginProposer):
         self._seen_prompt: set[str] = set()
         self.steps = 0
         self.drafted = 0
+        self.seconds = {"learn": 0.0, "draft": 0.0}
+        # Draft forwards each request ran last step (a forward whose token
+        # fell below stop_below was run and thrown away: it counts).
+        self.attempts: dict[str, int] = {}
+        # Measured costs: seconds of a target step (forward + sampling, from
+        # the bridge) and of one batched draft forward per plan, as EMAs.
+        self.step_seconds: float | None = None
+        self.forward_seconds: dict[LayerPlan, float] = {}
 
     # ------------------------------------------------------ subclass hooks
     def learn(self, ctx: StepContext) -> None:
@@ -97,8 +107,19 @@ class SelfDraftProposer(PluginProposer):
     # ---------------------------------------------------------------- step
     def draft(self, ctx: StepContext) -> Drafts:
         self.steps += 1
+        if ctx.last_step_seconds:
+            self.step_seconds = _ema(self.step_seconds, ctx.last_step_seconds)
+        start = time.perf_counter()
         self._observe_vocab(ctx)
         self.learn(ctx)
+        mid = time.perf_counter()
+        try:
+            return self._draft_groups(ctx)
+        finally:
+            self.seconds["learn"] += mid - start
+            self.seconds["draft"] += time.perf_counter() - mid
+
+    def _draft_groups(self, ctx: StepContext) -> Drafts:
         tokens: list[list[int]] = [[] for _ in ctx.requests]
         conf: list[np.ndarray | None] = [None] * len(ctx.requests)
         target = ctx.target
@@ -125,14 +146,23 @@ class SelfDraftProposer(PluginProposer):
                 rows=idx,
                 last_tokens=np.array([ctx.requests[i].context[-1] for i in idx]),
                 positions=np.array([len(ctx.requests[i].context) - 1 for i in idx]))
+            began = time.perf_counter()
             out = target.draft(rows, int(lengths.max()), plan,
                                stop_below=self.options["stop_below"],
                                head=self._head(target), max_lengths=lengths)
+            forwards = 0
             for r, i in enumerate(idx):
                 n = int(min(out.lengths[r], lengths[r]))
                 tokens[i] = out.tokens[r, :n].tolist()
                 conf[i] = out.top1_prob[r, :n]
                 self.drafted += n
+                attempts = n + (1 if n < lengths[r] else 0)
+                self.attempts[ctx.requests[i].req_id] = attempts
+                forwards = max(forwards, attempts)
+            if forwards:
+                self.forward_seconds[plan] = _ema(
+                    self.forward_seconds.get(plan),
+                    (time.perf_counter() - began) / forwards)
         return Drafts(tokens, confidence=conf)
 
     def _head(self, target):
@@ -155,8 +185,17 @@ class SelfDraftProposer(PluginProposer):
 
     def free(self, req_id: str) -> None:
         self._seen_prompt.discard(req_id)
+        self.attempts.pop(req_id, None)
 
     def metrics(self) -> dict:
         out = super().metrics()
-        out.update(steps=self.steps, drafted=self.drafted)
+        from vllm_plugins.self_draft import SECONDS
+
+        seconds = {**self.seconds, **{f"draft_{k}": v for k, v in SECONDS.items()}}
+        out.update(steps=self.steps, drafted=self.drafted,
+                   seconds={k: round(v, 3) for k, v in seconds.items()})
         return out
+
+
+def _ema(old: float | None, new: float, weight: float = 0.1) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

@@ -54,6 +54,10 @@ class DynamicExitProposer(SelfDraftProposer):
                "a non-negative number"),
         Option("prior_strength", 8.0, (int, float), lambda v: v > 0,
                "a positive number"),
+        # Draft only when the expected tokens per unit of cost beat no
+        # drafting by this factor (1.0: break-even; 0: always draft).
+        Option("min_value", 1.0, (int, float), lambda v: v >= 0,
+               "a non-negative number"),
     )
 
     def __init__(self, *args, **kwargs):
@@ -69,6 +73,7 @@ class DynamicExitProposer(SelfDraftProposer):
         self._rotate = 0
         self.chosen = {}  # exit depth -> times chosen
         self.no_draft = 0
+        self.idle_steps = 0
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -97,14 +102,22 @@ class DynamicExitProposer(SelfDraftProposer):
 
     # -------------------------------------------------------------- learning
     def learn(self, ctx: StepContext) -> None:
+        drafting = bool(self.last_exit)
         for req in ctx.requests:  # what the drafts themselves achieved
             e = self.last_exit.pop(req.req_id, None)
-            if e is not None and req.num_draft:
+            attempts = self.attempts.pop(req.req_id, 0)
+            if e is not None and attempts:
+                # Per draft forward run, confident or not: a forward whose
+                # token fell below stop_below cost as much as an accepted one.
                 counts = self._counts(req.req_id)
                 j = int(np.searchsorted(self.exits, e))
                 counts[0, j] += min(req.num_accepted_drafts, req.num_draft)
-                counts[1, j] += req.num_draft
-        if ctx.aux_streams and ctx.target is not None:
+                counts[1, j] += attempts
+        self.idle_steps = 0 if drafting else self.idle_steps + 1
+        # While no exit pays, shadows keep watching at a quarter of the rate:
+        # the context may change, but the LM heads cost time every step.
+        if (ctx.aux_streams and ctx.target is not None
+                and (self.idle_steps < 16 or self.steps % 4 == 0)):
             self._shadow(ctx)
 
     def _counts(self, req_id: str) -> np.ndarray:
@@ -166,19 +179,33 @@ class DynamicExitProposer(SelfDraftProposer):
         return (hits + m * glob) / (trials + m)
 
     def choose(self, alpha: np.ndarray, max_k: int) -> tuple[int, int, float]:
-        """(candidate index, k, value) maximizing tokens per unit cost; k=0:
-        drafting does not pay."""
+        """(candidate index, k, value) maximizing tokens per unit cost; k=0
+        when the best value is below ``min_value`` (drafting does not pay)."""
         ks = np.arange(1, max_k + 1)
         # expected tokens: 1 + a + a^2 + ... + a^k, for every (e, k)
         powers = alpha[:, None] ** ks[None, :]
         tokens = 1.0 + np.cumsum(powers, axis=1)
         cost = (1.0 + self.options["verify_cost_per_token"] * ks[None, :]
-                + ks[None, :] * self.cost[:, None])
+                + ks[None, :] * self.step_costs()[:, None])
         value = tokens / cost
         j, k = np.unravel_index(int(np.argmax(value)), value.shape)
-        if value[j, k] <= 1.0:
-            return -1, 0, 1.0
+        if value[j, k] < self.options["min_value"] or value[j, k] <= 0:
+            return -1, 0, float(value[j, k])
         return int(j), int(ks[k]), float(value[j, k])
+
+    def step_costs(self) -> np.ndarray:
+        """Cost of one draft forward at each candidate exit, in target steps.
+
+        From the parameter counts until this engine has timed its own draft
+        forwards and target steps; then the measured ratio, carried to exits
+        not yet timed in proportion to their parameter cost."""
+        measured = {plan.depth: secs for plan, secs in self.forward_seconds.items()}
+        if not measured or not self.step_seconds:
+            return self.cost
+        param = self.cost - self.options["draft_step_overhead"]
+        ratios = [measured[int(e)] / self.step_seconds / param[j]
+                  for j, e in enumerate(self.exits) if int(e) in measured]
+        return param * float(np.median(ratios))
 
     def plan_for(self, ctx: StepContext, i: int):
         if not len(self.exits) or ctx.target is None:
@@ -205,6 +232,7 @@ class DynamicExitProposer(SelfDraftProposer):
             shadow_acceptance=[round(float(a), 3) for a in self.acceptance()],
             shadow_trials=[int(t) for t in self.trials],
             chosen_exits={int(k): v for k, v in sorted(self.chosen.items())},
+            draft_step_cost=[round(float(c), 3) for c in self.step_costs()],
             no_draft_decisions=self.no_draft,
         )
         return out
