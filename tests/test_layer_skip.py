@@ -74,7 +74,9 @@ def test_repeated_scores_average():
 class _FakeLayer(torch.nn.Module):
     def __init__(self, hidden):
         super().__init__()
-        self.w = torch.nn.Linear(hidden, hidden, bias=False)
+        self.self_attn = torch.nn.Linear(hidden, hidden, bias=False)
+        self.mlp = torch.nn.Linear(hidden, hidden, bias=False)
+        self.input_layernorm = self.post_attention_layernorm = torch.nn.Identity()
 
 
 def _fake_target(num_layers=12, hidden=8):
@@ -82,7 +84,15 @@ def _fake_target(num_layers=12, hidden=8):
     inner.layers = torch.nn.ModuleList(_FakeLayer(hidden) for _ in range(num_layers))
     inner.start_layer, inner.end_layer = 0, num_layers
     inner.norm = SimpleNamespace(weight=torch.ones(hidden))
+    inner.embed_input_ids = lambda ids: ids
     return SimpleNamespace(model=inner)
+
+
+def test_self_drafting_needs_a_llama_style_model():
+    target = _fake_target()
+    del target.model.layers[0].mlp
+    with pytest.raises(ValueError, match="Llama-style"):
+        DynamicExitProposer(options={"draft_vocab": 0}, vocab_size=32).load_model(target)
 
 
 def _del(**options):

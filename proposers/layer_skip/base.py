@@ -96,6 +96,20 @@ class SelfDraftProposer(PluginProposer):
         self.step_seconds: float | None = None
         self.forward_seconds: dict[LayerPlan, float] = {}
 
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        inner = getattr(target_model, "model", None)
+        layers = getattr(inner, "layers", None)
+        parts = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+        if (layers is None or not hasattr(inner, "norm")
+                or not hasattr(inner, "embed_input_ids")
+                or not all(hasattr(layers[inner.start_layer], p) for p in parts)):
+            raise ValueError(
+                f"{type(self).__name__} drafts with the target's own decoder "
+                f"layers and needs a Llama-style model (model.layers[i]."
+                f"{{{', '.join(parts)}}}, model.norm); "
+                f"{type(target_model).__name__} is not one")
+
     # ------------------------------------------------------ subclass hooks
     def learn(self, ctx: StepContext) -> None:
         """Update acceptance statistics from this step's verification."""
