@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 def spec(request, model_path):
     llm = engine(model_path, request.param)
     llm.n_prompts = N_PROMPTS
+    llm.max_tokens = 32  # drafting runs eagerly layer by layer: keep CI short
     yield llm
     shutdown(llm)
 
