@@ -16,10 +16,12 @@ def model_path():
 @pytest.fixture(scope="session")
 def base(model_path):
     """The reference engine (no speculation), shared by the e2e modules that
-    compare a speculative engine's greedy tokens with vLLM's own."""
+    compare a speculative engine's tokens with vLLM's own: one engine start
+    for all of them (each start costs ~35 s of CI). max_model_len 2048 fits
+    the grammar tests' schema prompts."""
     from vllm_plugins.bench.engines import build_engine
 
-    llm = build_engine(model_path, None, max_num_seqs=8, max_model_len=1024)
+    llm = build_engine(model_path, None, max_num_seqs=8, max_model_len=2048)
     yield llm
     shutdown(llm)
 

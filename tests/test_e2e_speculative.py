@@ -28,12 +28,9 @@ def prompts(base):
 
 @pytest.fixture(scope="module", params=[
     {"method": "token_recycling", "num_speculative_tokens": 6},
-    {"method": "token_recycling", "num_speculative_tokens": 4,
-     "draft_length": "fixed", "context_order": 1},
     {"method": "ngram_adaptive", "num_speculative_tokens": 5,
      "draft_length": "goodput"},
-], ids=["token_recycling", "token_recycling-fixed-bigram",
-        "ngram_adaptive-goodput"])
+], ids=["token_recycling", "ngram_adaptive-goodput"])
 def spec(request, model_path):
     llm = engine(model_path, request.param)
     # The default configuration gets the full 20 prompts; variants fewer.

@@ -2,8 +2,8 @@
 
 The reference is an engine without speculation, same vLLM structured outputs
 (``StructuredOutputsParams(json=...)``, backend ``auto``), on JSONSchemaBench
-dev schemas; it runs first and is shut down before the speculative engines
-start, so only one engine lives at a time."""
+dev schemas; it is the session's engine without speculation
+(tests/conftest.py)."""
 
 import json
 
@@ -84,14 +84,10 @@ def generate(llm, schemas):
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, schemas):
-    llm = engine(model_path, None)
-    try:
-        alone, batch = generate(llm, schemas)
-        tok = llm.get_tokenizer()
-        texts = [tok.decode(t, skip_special_tokens=True) for t in alone]
-    finally:
-        shutdown(llm)
+def reference(base, schemas):
+    alone, batch = generate(base, schemas)
+    tok = base.get_tokenizer()
+    texts = [tok.decode(t, skip_special_tokens=True) for t in alone]
     return alone, batch, texts
 
 
@@ -99,7 +95,7 @@ def reference(model_path, schemas):
     {"method": "grammar", "num_speculative_tokens": 6},
     {"method": "grammar", "num_speculative_tokens": 6, "inner": "token_recycling"},
 ], ids=["grammar", "grammar+token_recycling"])
-def spec(request, model_path, reference):  # reference first: one engine at a time
+def spec(request, model_path, reference):
     llm = engine(model_path, request.param)
     yield llm
     shutdown(llm)

@@ -1,7 +1,7 @@
 """STAND inside vllm.LLM: lossless greedy, exact sampling, shared stores.
 
-Two engines, one at a time (the reference engine is shut down before STAND's
-starts): everything the reference must produce is computed in one fixture.
+The reference is the session's engine without speculation
+(tests/conftest.py); everything it must produce is computed in one fixture.
 """
 
 from collections import Counter
@@ -126,25 +126,22 @@ def homogeneity_pvalue(a, b, min_count=10) -> float:
 
 
 @pytest.fixture(scope="module")
-def reference(model_path, prompts, tokenizer):
-    """Everything the tests compare against, from vLLM without speculation."""
+def reference(base, prompts, tokenizer):
+    """Everything the tests compare against, from vLLM without speculation.
+    Seeded samples do not depend on the batch they ran in, so the reference
+    engine's smaller max_num_seqs does not change them."""
     from vllm_plugins.bench.engines import run_batch
 
-    llm = engine(model_path, None)
-    try:
-        ref = {
-            "batch1": [run_batch(llm, [p], greedy())[0][0].token_ids for p in prompts],
-            "batch8": run_batch8(llm, prompts, "ref"),
-            "samples": sample_first_tokens(llm, tokenizer(RGB)["input_ids"],
-                                           CHI_SAMPLES, seed0=0),
-        }
-    finally:
-        shutdown(llm)
-    return ref
+    return {
+        "batch1": [run_batch(base, [p], greedy())[0][0].token_ids for p in prompts],
+        "batch8": run_batch8(base, prompts, "stand-ref"),
+        "samples": sample_first_tokens(base, tokenizer(RGB)["input_ids"],
+                                       CHI_SAMPLES, seed0=0),
+    }
 
 
 @pytest.fixture(scope="module")
-def stand(model_path, reference):  # after the reference engine is gone
+def stand(model_path, reference):
     llm = engine(model_path, SPEC)
     yield llm
     shutdown(llm)
