@@ -102,6 +102,7 @@ _ESTIMATOR_OPTIONS = {
     "probe_interval": _Opt(4, _num(0, integer=True),
                            "an integer >= 0 (0 disables probing)"),
     "max_tracked": _Opt(65536, _num(1, integer=True), "a positive integer"),
+    "observe_cut": _Opt(True, _bool, "true or false"),
 }
 _CONFIDENCE_OPTIONS = {
     "calib_bins": _Opt(10, _num(2, 100, integer=True), "an integer in [2, 100]"),
@@ -531,14 +532,18 @@ class ConfidenceCalibrator:
     def _bin(self, c: np.ndarray) -> np.ndarray:
         return np.clip((np.nan_to_num(c) * self.bins).astype(np.int64), 0, self.bins - 1)
 
-    def remember(self, rows: np.ndarray, conf: np.ndarray | None, keep: np.ndarray) -> None:
-        """Store the raw confidences of the kept drafts (NaN = none given)."""
+    def remember(self, rows: np.ndarray, conf: np.ndarray | None, keep: np.ndarray,
+                 upto: np.ndarray | None = None) -> None:
+        """Store the raw confidences of the kept drafts (NaN = none given);
+        ``upto`` (default ``keep``) may reach one further, for a cut draft
+        whose outcome the next step observes."""
         a = self.slots.arrays
         a["conf_kept"][rows] = np.nan
         if conf is None:
             return
         k = min(conf.shape[1], self.depth)
-        kept = np.where(np.arange(k)[None, :] < keep[:, None], conf[:, :k], np.nan)
+        upto = keep if upto is None else upto
+        kept = np.where(np.arange(k)[None, :] < upto[:, None], conf[:, :k], np.nan)
         a["conf_kept"][rows, :k] = kept
         a["conf_seen"][rows] |= ~np.isnan(conf).all(1)
 
@@ -858,6 +863,11 @@ class _EstimatingController(DraftLengthController):
         self.probe_interval = options["probe_interval"]
         self.slots.add("probe_level", (), np.int64, 0)   # failed probes in a row
         self.slots.add("probing", (), np.bool_, False)
+        self.observe_cut = bool(options.get("observe_cut", True))
+        # The first draft cut last step (-1: none) and how many were kept.
+        self.slots.add("cut_token", (), np.int64, -1)
+        self.slots.add("cut_at", (), np.int64, -1)
+        self.cut_observed = 0
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
         self._batch_hint = 1
 
@@ -872,6 +882,7 @@ class _EstimatingController(DraftLengthController):
         n = np.array([r.num_draft for r in reqs], dtype=np.int64)
         n = np.where(emitted > 0, n, 0)
         m = np.minimum(np.maximum(emitted - 1, 0), n)
+        n, m = self._observe_cut(reqs, rows, emitted, n, m)
         verified = n > 0
         self.estimator.observe(rows[verified], n[verified], m[verified])
         a = self.slots.arrays
@@ -882,6 +893,52 @@ class _EstimatingController(DraftLengthController):
         a["probing"][rows] = False
         if self.calibrator is not None:
             self.calibrator.observe(rows, n, m)
+
+    def _observe_cut(self, reqs, rows, emitted, n, m):
+        """Learn the outcome of the first draft cut last step, for free.
+
+        When every kept draft was accepted, the target sampled its own token
+        at the cut draft's position. For a deterministic draft token x,
+        vLLM's rejection sampler accepts with probability p_target(x), and
+        the sampled token equals x with the same probability, so
+        [sampled == x] is an exact draw of "the cut draft would have been
+        accepted" (greedy: exactly its outcome). Without it, a position the
+        controller cuts is never observed again and an under-estimate there
+        cannot correct itself; with it, even a request kept at k = 0 learns
+        its first-draft acceptance every step. Returns (n, m) with the
+        observed cut position added.
+        """
+        a = self.slots.arrays
+        cut_token = a["cut_token"][rows].copy()
+        cut_at = a["cut_at"][rows].copy()
+        a["cut_token"][rows] = -1
+        if not self.observe_cut:
+            return n, m
+        peek = (cut_token >= 0) & (emitted > 0) & (m == n) & (cut_at == n)
+        peek &= n < self.max_draft
+        if not peek.any():
+            return n, m
+        last = np.array([int(r.accepted[-1]) if len(r.accepted) else -1 for r in reqs],
+                        dtype=np.int64)
+        hit = peek & (last == cut_token)
+        self.cut_observed += int(peek.sum())
+        return n + peek, m + hit
+
+    def _remember_cut(self, rows, drafts: Drafts, lengths: np.ndarray,
+                      keep: np.ndarray) -> np.ndarray:
+        """Store each row's first cut draft; returns the rows that have one.
+        Rows with draft probabilities (stochastic drafts) are left out: their
+        acceptance is min(1, p/q), which the sampled token does not show."""
+        cut = (keep < lengths) & self.observe_cut
+        if drafts.probs is not None:
+            cut &= np.array([drafts.probs[i] is None if i < len(drafts.probs) else True
+                             for i in range(len(keep))], dtype=bool)
+        a = self.slots.arrays
+        idx = np.nonzero(cut)[0]
+        if len(idx):
+            a["cut_token"][rows[idx]] = [int(drafts.tokens[i][keep[i]]) for i in idx]
+            a["cut_at"][rows[idx]] = keep[idx]
+        return cut
 
     def _confidence_matrix(self, drafts: Drafts, width: int) -> np.ndarray | None:
         if not self.uses_confidence or drafts.confidence is None:
@@ -931,11 +988,21 @@ class _EstimatingController(DraftLengthController):
         q = np.cumprod(p, axis=1)   # prefix probabilities: P(drafts 1..j accepted)
         valid = np.arange(width)[None, :] < lengths[:, None]
         keep = self._choose(rows, lengths, q, valid, ctx)
-        keep = self._probe(rows, lengths, keep)
+        keep = self._probe(rows, lengths, keep, self._cut_observable(drafts, lengths))
         keep = np.minimum(keep, lengths)
+        cut = self._remember_cut(rows, drafts, lengths, keep)
         if self.calibrator is not None:
-            self.calibrator.remember(rows, conf, keep)
+            self.calibrator.remember(rows, conf, keep, keep + cut)
         return keep
+
+    def _cut_observable(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
+        """Rows whose zero choice still teaches (a cut draft is observed):
+        they need no probe."""
+        ok = (lengths > 0) & self.observe_cut
+        if drafts.probs is not None:
+            ok &= np.array([drafts.probs[i] is None if i < len(drafts.probs) else True
+                            for i in range(len(lengths))], dtype=bool)
+        return ok
 
     _MAX_BACKOFF = 1  # a failed probe doubles the probe interval (once)
 
@@ -943,11 +1010,14 @@ class _EstimatingController(DraftLengthController):
         level = np.minimum(self.slots.arrays["probe_level"][rows], self._MAX_BACKOFF)
         return (self.probe_interval * self._probe_scale) << level
 
-    def _probe(self, rows: np.ndarray, lengths: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    def _probe(self, rows: np.ndarray, lengths: np.ndarray, keep: np.ndarray,
+               observed: np.ndarray | bool = False) -> np.ndarray:
         """After probe_interval consecutive zeros keep one token, to re-learn.
 
         A failed probe doubles the interval (once: up to 2x); an accepted probe,
-        or a non-zero choice, resets it.
+        or a non-zero choice, resets it. Rows in ``observed`` learn their
+        first draft's outcome without verifying it (``_observe_cut``) and
+        are not probed.
         """
         a = self.slots.arrays
         zs = a["zero_streak"]
@@ -956,7 +1026,7 @@ class _EstimatingController(DraftLengthController):
         zero = (offered & (keep == 0)) | bound
         a["probe_level"][rows[offered & (keep > 0)]] = 0
         if self.probe_interval > 0 and self._probe_scale > 0:
-            due = zero & offered & (zs[rows] >= self._probe_gap(rows))
+            due = zero & offered & ~observed & (zs[rows] >= self._probe_gap(rows))
             if due.any():
                 keep = keep.copy()
                 keep[due] = 1
@@ -999,6 +1069,7 @@ class _EstimatingController(DraftLengthController):
     def stats(self) -> dict:
         out = super().stats()
         out["acceptance_global"] = round(self.estimator.global_rate, 4)
+        out["cut_drafts_observed"] = self.cut_observed
         out["changes_detected"] = self.estimator.changes
         if self.calibrator is not None:
             out["calibration_global"] = self.calibrator.table()

@@ -81,6 +81,7 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
     left = rng.integers(sc.mean_life // 2, sc.mean_life * 3 // 2, size=sc.batch)
     prev_n = np.zeros(sc.batch, dtype=np.int64)     # drafts verified this step
     prev_m = np.zeros(sc.batch, dtype=np.int64)     # of which accepted
+    prev_bonus = np.ones(sc.batch, dtype=np.int64)  # the target's token after them
     finished: set[str] = set()
     last_seconds, last_tokens = None, 0
     gen = exp = clock = 0.0
@@ -88,7 +89,10 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
     t0 = time.perf_counter()
 
     for _ in range(sc.steps):
-        reqs = [RequestStep(req_id=req[i], accepted=np.zeros(prev_m[i] + 1, np.int64),
+        # Drafts are token 0; the target's own token after the accepted
+        # drafts is 0 exactly when the next draft would have been accepted.
+        reqs = [RequestStep(req_id=req[i],
+                            accepted=np.array([0] * prev_m[i] + [prev_bonus[i]], np.int64),
                             context=_EMPTY, num_prompt_tokens=0, num_draft=int(prev_n[i]),
                             verified_tokens=_EMPTY, topk_ids=None, topk_logprobs=None,
                             temperature=0.0) for i in range(sc.batch)]
@@ -127,6 +131,7 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
         clock += seconds
         last_seconds, last_tokens = seconds, tokens
         prev_n, prev_m = keep.copy(), m.copy()
+        prev_bonus = np.where(run > keep, 0, 1)
         left = left - 1
         for i in np.nonzero(left <= 0)[0]:
             finished.add(req[i])
@@ -134,6 +139,7 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
             left[i] = rng.integers(sc.mean_life // 2, sc.mean_life * 3 // 2)
             alpha[i] = rng.choice(regimes)
             prev_n[i] = prev_m[i] = 0
+            prev_bonus[i] = 1
 
     ks = np.concatenate(ks)
     out = {

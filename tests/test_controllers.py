@@ -20,10 +20,12 @@ make_controller = ctl.make_controller
 
 D = 6
 _E = np.zeros(0, dtype=np.int64)
+DRAFT_TOKEN = 7   # every synthetic draft; any other token is a target token
 
 
-def _req(rid: str, n: int, m: int, prefill: bool = False) -> RequestStep:
-    accepted = _E if prefill else np.zeros(m + 1, dtype=np.int64)
+def _req(rid: str, n: int, m: int, prefill: bool = False, bonus: int = 0) -> RequestStep:
+    """m accepted drafts, then the target's own token ``bonus``."""
+    accepted = _E if prefill else np.array([DRAFT_TOKEN] * m + [bonus], dtype=np.int64)
     return RequestStep(req_id=rid, accepted=accepted, context=_E, num_prompt_tokens=0,
                        num_draft=n, verified_tokens=_E, topk_ids=None,
                        topk_logprobs=None, temperature=0.0)
@@ -44,12 +46,14 @@ class World:
         self.ids = [f"r{i}" for i in range(batch)]
         self.n = np.zeros(batch, np.int64)
         self.m = np.zeros(batch, np.int64)
+        self.bonus = np.zeros(batch, np.int64)
         self.seconds = None
         self.tokens = 0
         self.finished: set[str] = set()
 
     def ctx(self) -> StepContext:
-        reqs = [_req(self.ids[i], int(self.n[i]), int(self.m[i])) for i in range(self.batch)]
+        reqs = [_req(self.ids[i], int(self.n[i]), int(self.m[i]), bonus=int(self.bonus[i]))
+                for i in range(self.batch)]
         ctx = StepContext(requests=reqs, finished=self.finished, max_draft=self.d,
                           last_step_seconds=self.seconds, last_step_tokens=self.tokens)
         self.finished = set()
@@ -62,13 +66,16 @@ class World:
         conf = None
         if confidence is not None:
             conf = [np.full(self.d, confidence, np.float32) for _ in range(self.batch)]
-        keep = np.asarray(self.c.decide(ctx, Drafts([[7] * self.d] * self.batch,
+        keep = np.asarray(self.c.decide(ctx, Drafts([[DRAFT_TOKEN] * self.d] * self.batch,
                                                      confidence=conf)))
         assert keep.shape == (self.batch,)
         assert ((keep >= 0) & (keep <= self.d)).all()
         draws = self.rng.random((self.batch, self.d)) < alpha[:, None]
         run = np.cumprod(draws, axis=1).sum(1)
         self.n, self.m = keep.copy(), np.minimum(run, keep)
+        # The target's token after the kept drafts equals the next draft
+        # exactly when that draft would have been accepted.
+        self.bonus = np.where(run > keep, DRAFT_TOKEN, 0)
         self.tokens = int((keep + 1).sum())
         a, b, c = self.cost
         t = a + b * self.tokens + c * self.batch
@@ -148,6 +155,13 @@ def test_decide_rejects_misaligned_drafts():
 @pytest.mark.parametrize("policy", POLICIES)
 def test_near_zero_acceptance_gives_zero(policy):
     w = World(_controller(policy))
+    ks = w.run(0.0, 60)[20:]
+    assert (ks == 0).all(), ks
+    # A zero choice still learns: the cut draft's outcome is read from the
+    # target's own token, so no probe is spent.
+    s = w.c.stats()
+    assert s["probes"] == 0 and s["cut_drafts_observed"] >= 40, s
+    w = World(_controller(policy, observe_cut=False))
     ks = w.run(0.0, 60)[20:]
     assert (ks == 0).mean() >= 0.8, ks          # probes are the only non-zeros
     assert ks.max() <= 1
@@ -343,10 +357,12 @@ def test_goodput_zero_at_large_batch_on_a_steep_curve():
     ks = w.run(0.5, 30)
     after = c.stats()
     # (nearly) every request-step is a zero choice or a one-token probe, and
-    # probes are rare where drafts are this dear (stretched interval)
+    # probes are rare where drafts are this dear (stretched interval). Zero
+    # choices keep learning from the cut draft, so a noisy estimate (true
+    # acceptance 0.5, break-even about 0.76) keeps a draft now and then.
     zeros = after["zero_choices"] - before["zero_choices"]
     probes = after["probes"] - before["probes"]
-    assert zeros + probes >= 0.99 * 30 * 64, (zeros, probes)
+    assert zeros + probes >= 0.95 * 30 * 64, (zeros, probes)
     assert probes <= 0.1 * 30 * 64 and ks.mean() <= 0.1, (probes, ks.mean())
 
 
@@ -378,7 +394,9 @@ def test_max_length_bounds_decide_and_follows_history():
             assert all(k <= b for k, b in zip(keep, bound)), (policy, keep, bound)
             draws = w.rng.random((3, D)) < np.array(alphas)[:, None]
             w.n = np.array(keep)
-            w.m = np.minimum(np.cumprod(draws, 1).sum(1), w.n)
+            run = np.cumprod(draws, 1).sum(1)
+            w.m = np.minimum(run, w.n)
+            w.bonus = np.where(run > w.n, DRAFT_TOKEN, 0)
             w.tokens = int(sum(keep) + 3)
             w.seconds = 0.02 + 0.001 * w.tokens
         assert c.max_length("r0") <= 1 and c.max_length("r2") >= D - 1
@@ -457,14 +475,16 @@ def test_simulation_goodput_vs_fixed():
 def _deep_world_step(c, ids, rng, p_first, p_deep, conf=None):
     """Drafts where position 1 is accepted with p_first and later positions,
     given their prefix, with p_deep (a copy regime: right once, right on)."""
-    ctx = StepContext([_req(r, int(c._n[r]), int(c._m[r])) for r in ids], max_draft=D)
+    ctx = StepContext([_req(r, int(c._n[r]), int(c._m[r]), bonus=c._b.get(r, 0))
+                       for r in ids], max_draft=D)
     c.observe(ctx)
     confs = None if conf is None else [np.full(D, conf, np.float32) for _ in ids]
-    keep = c.decide(ctx, Drafts([[7] * D] * len(ids), confidence=confs))
+    keep = c.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * len(ids), confidence=confs))
     for r, k in zip(ids, keep):
         first = rng.random() < p_first
         run = 0 if not first else 1 + int(np.cumprod(rng.random(D - 1) < p_deep).sum())
         c._n[r], c._m[r] = k, min(run, k)
+        c._b[r] = DRAFT_TOKEN if run > k else 0
     return keep
 
 
@@ -483,6 +503,7 @@ def test_deep_positions_learn_their_own_higher_rate(with_conf):
     ids = [f"r{i}" for i in range(8)]
     c._n = {r: 0 for r in ids}
     c._m = {r: 0 for r in ids}
+    c._b = {}
     keeps = [_deep_world_step(c, ids, rng, 0.3, 0.95, conf=0.5 if with_conf else None)
              for _ in range(150)]
     rows = c.slots.slots(ids)
@@ -504,10 +525,12 @@ class _BudgetedProposer:
         ctx = w.ctx()
         self.c.observe(ctx)
         budget = self.c.max_length(w.ids[0])
-        keep = self.c.decide(ctx, Drafts([[7] * budget]))
+        keep = self.c.decide(ctx, Drafts([[DRAFT_TOKEN] * budget]))
         draws = w.rng.random(D) < alpha
+        run = np.cumprod(draws).sum()
         w.n = np.array(keep)
-        w.m = np.minimum(np.cumprod(draws).sum(), w.n)
+        w.m = np.minimum(run, w.n)
+        w.bonus = np.where(run > w.n, DRAFT_TOKEN, 0)
         w.tokens = int(sum(keep) + 1)
         w.seconds = 0.02 + 0.001 * w.tokens
         return keep[0]
@@ -523,6 +546,28 @@ def test_zero_from_max_length_counts_as_a_choice_and_still_probes():
     assert ks[-20:].count(0) >= 12, ks
     # drafting nothing because max_length said 0 is the controller's choice
     assert s["zero_choices"] >= ks.count(0) and s["no_draft"] == 0, s
-    assert s["probes"] >= 2, s                     # ... and it keeps probing
+    # ... and it keeps learning: a probe, or (when the proposer drafts the
+    # probe's token) the cut draft's outcome read from the target's token
+    assert s["probes"] + s["cut_drafts_observed"] >= 2, s
     ks_up = [p.step(w, 0.97) for _ in range(30)]
     assert max(ks_up[-10:]) >= D - 2, ks_up        # so it comes back
+
+
+@pytest.mark.parametrize("confidence", [None, 0.02])
+def test_cut_drafts_are_observed_so_an_under_estimate_corrects_itself(confidence):
+    # 30 steps where no draft is right drive the estimates to ~0 and k to 0;
+    # then drafts are right 90% of the time (and, with confidence=0.02, the
+    # proposer still says they are not). Learning only from kept drafts, the
+    # controller waits for probes; reading each cut draft's outcome from the
+    # target's own token, it climbs back a position or more per step.
+    def kept_after_switch(observe_cut: bool) -> float:
+        total = 0
+        for seed in range(5):
+            w = World(_controller("goodput", observe_cut=observe_cut), seed=seed)
+            w.run(0.0, 30)
+            total += int(w.run(0.9, 15, confidence=confidence).sum())
+        return total / 5
+
+    seen, blind = kept_after_switch(True), kept_after_switch(False)
+    assert seen >= 60, seen                     # of at most 15 * 6 = 90
+    assert seen >= 1.5 * blind, (seen, blind)
