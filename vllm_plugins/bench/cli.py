@@ -138,16 +138,13 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
 
     from vllm_plugins.bench.data import disjoint_sets, render
-    from vllm_plugins.bench.engines import build_engine, engine_stats, run_batch
+    from vllm_plugins.bench.engines import (build_engine, engine_stats,
+                                           resolve_model, run_batch)
     from vllm_plugins.bench.report import (Tally, controller_delta,
                                            controller_markdown, markdown, ratio_ci,
                                            speedup_plot, title, write)
 
-    model = args.model
-    if model is None:
-        from vllm_plugins.default_model import default_model_path
-
-        model = default_model_path()
+    model = resolve_model(args.model)
     methods, configs = _resolve_methods(args)
     sizes = args.batch_sizes
     cats = args.categories.split(",") if args.categories else None

@@ -89,3 +89,39 @@ def run_batch(llm, prompts: list[list[int]], params, abort_after: dict | None = 
 
 def engine_stats(llm) -> dict:
     return llm.llm_engine.collective_rpc("vllm_plugins_stats")[0]
+
+
+def resolve_model(model: str | None) -> str:
+    """``--model`` when given, else the embedded default model, so that every
+    benchmark runs as it comes, with no download and no path to pass."""
+    if model is not None:
+        return model
+    from vllm_plugins.default_model import default_model_path
+
+    return default_model_path()
+
+
+def acceptance_between(before: dict, after: dict) -> dict:
+    """Per method, accepted / drafted tokens between two ``engine_stats``
+    snapshots ({method: stats}); None where nothing was drafted.
+
+    The engine's counts run from its start, warm-up included: only the
+    difference describes the measured runs.
+    """
+    out = {}
+    for m, now in after.items():
+        d = now.get("drafted", 0) - before[m].get("drafted", 0)
+        a = now.get("accepted", 0) - before[m].get("accepted", 0)
+        out[m] = a / d if d else None
+    return out
+
+
+def shutdown_all(engines) -> None:
+    """Stop each engine's core process now rather than at interpreter exit,
+    so idle engines hold no CPU or memory while a benchmark finishes up; a
+    failed shutdown costs nothing measured, so it is ignored."""
+    for llm in engines:
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

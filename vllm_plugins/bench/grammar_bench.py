@@ -158,17 +158,14 @@ def main(argv=None) -> int:
 
     from vllm.exceptions import VLLMClientError
 
-    from vllm_plugins.bench.engines import engine_stats, run_batch
+    from vllm_plugins.bench.engines import (acceptance_between, engine_stats,
+                                           resolve_model, run_batch, shutdown_all)
     from vllm_plugins.bench.report import Tally, title, write
 
     global REFUSED
     REFUSED = (ValueError, VLLMClientError)
 
-    model = args.model
-    if model is None:
-        from vllm_plugins.default_model import default_model_path
-
-        model = default_model_path()
+    model = resolve_model(args.model)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -237,16 +234,8 @@ def main(argv=None) -> int:
             tally.add(m, row.get("split", "-"), len(res.token_ids), res.forwards, secs,
                       res.token_ids != ref)
     stats = {m: engine_stats(engines[m]) for m in methods}
-    acceptance = {}
-    for m in methods:
-        d = stats[m].get("drafted", 0) - before[m].get("drafted", 0)
-        a = stats[m].get("accepted", 0) - before[m].get("accepted", 0)
-        acceptance[m] = a / d if d else None
-    for llm in engines.values():
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:  # noqa: BLE001
-            pass
+    acceptance = acceptance_between(before, stats)
+    shutdown_all(engines.values())
     costs = grammar_costs(tok, vocab, generated)
     categories = sorted({r.get("split", "-") for r in rows})
     table_rows = tally.table(methods, categories, acceptance)

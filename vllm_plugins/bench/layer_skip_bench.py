@@ -64,14 +64,12 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
 
     from vllm_plugins.bench.data import load_questions, render
-    from vllm_plugins.bench.engines import build_engine, engine_stats, run_batch
+    from vllm_plugins.bench.engines import (acceptance_between, build_engine,
+                                           engine_stats, resolve_model, run_batch,
+                                           shutdown_all)
     from vllm_plugins.bench.report import Tally, title, write
 
-    model = args.model
-    if model is None:
-        from vllm_plugins.default_model import default_model_path
-
-        model = default_model_path()
+    model = resolve_model(args.model)
     configs = {m: METHODS[m] for m in args.methods.split(",") if m}
     for item in args.extra:
         name, _, spec = item.partition("=")
@@ -112,11 +110,7 @@ def main(argv=None) -> int:
         per_category[cat] = {m: choices(engine_stats(engines[m])) for m in methods
                              if m != "none"}
     stats = {m: engine_stats(engines[m]) for m in methods}
-    acceptance = {}
-    for m in methods:
-        d = stats[m].get("drafted", 0) - base_stats[m].get("drafted", 0)
-        a = stats[m].get("accepted", 0) - base_stats[m].get("accepted", 0)
-        acceptance[m] = a / d if d else None
+    acceptance = acceptance_between(base_stats, stats)
     rows = tally.table(methods, list(by_cat), acceptance)
     heading = title(model, f"greedy max_tokens={args.max_tokens} "
                            f"{sum(len(v) for v in by_cat.values())} prompts, batch 1")
@@ -128,11 +122,7 @@ def main(argv=None) -> int:
         for m, text in by_method.items():
             if text:
                 print(f"  {cat:>22} {m}: {text}")
-    for llm in engines.values():
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
+    shutdown_all(engines.values())
     return 0
 
 

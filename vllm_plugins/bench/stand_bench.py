@@ -85,14 +85,11 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
 
     from vllm_plugins.bench.data import load_questions, render
-    from vllm_plugins.bench.engines import build_engine, engine_stats
+    from vllm_plugins.bench.engines import (acceptance_between, build_engine,
+                                           engine_stats, resolve_model, shutdown_all)
     from vllm_plugins.bench.report import Tally, title, write
 
-    model = args.model
-    if model is None:
-        from vllm_plugins.default_model import default_model_path
-
-        model = default_model_path()
+    model = resolve_model(args.model)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
@@ -126,22 +123,14 @@ def main(argv=None) -> int:
                 tally.add(m, q["category"], len(toks), fwd,
                           secs * len(toks) / max(total, 1), False)
     stats = {m: engine_stats(engines[m]) for m in methods}
-    acceptance = {}
-    for m in methods:
-        d = stats[m].get("drafted", 0) - before[m].get("drafted", 0)
-        a = stats[m].get("accepted", 0) - before[m].get("accepted", 0)
-        acceptance[m] = a / d if d else None
+    acceptance = acceptance_between(before, stats)
     categories = list(dict.fromkeys(q["category"] for q in questions))
     rows = tally.table(methods, categories, acceptance)
     heading = title(model, f"n={args.n} T={args.temperature} max_tokens={args.max_tokens} "
                            f"{len(questions)} prompts")
     write(args.out, "stand_bench", rows, heading,
           {"args": vars(args), "engine_stats": stats, "acceptance": acceptance})
-    for llm in engines.values():
-        try:
-            llm.llm_engine.engine_core.shutdown()
-        except Exception:
-            pass
+    shutdown_all(engines.values())
     return 0
 
 
