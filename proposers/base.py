@@ -98,6 +98,18 @@ class PluginProposer:
             length = min(length, self.controller.max_length(req_id))
         return length
 
+    def drafting_requests(self, ctx: StepContext):
+        """(row, request, draft budget) for each request that drafts this step.
+
+        A request in (chunked) prefill emitted no token this step, so there
+        is no last token to draft after: its row keeps the caller's empty
+        draft. Budgets are read lazily, one request at a time between the
+        caller's drafts, because a controller's ``max_length`` may keep state.
+        """
+        for i, r in enumerate(ctx.requests):
+            if not r.in_prefill:
+                yield i, r, self.draft_budget(ctx, r.req_id)
+
     def free(self, req_id: str) -> None:
         """Drop per-request state of a finished or aborted request."""
 

@@ -481,11 +481,12 @@ class StandProposer(PluginProposer):
 
     # ------------------------------------------------------------ drafting
     def draft(self, ctx: StepContext) -> Drafts:
-        tokens: list[list[int]] = []
-        probs: list[np.ndarray | None] = []
-        conf: list[np.ndarray | None] = []
-        real: list[int] = []
-        kinds: list[list[tuple[int, float]]] = []
+        n = len(ctx.requests)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        probs: list[np.ndarray | None] = [None] * n
+        conf: list[np.ndarray | None] = [None] * n
+        real: list[int] = [0] * n
+        kinds: list[list[tuple[int, float]]] = [[] for _ in range(n)]
         any_probs = False
         self._sweep(ctx)
         # Learn from every request first: samples of one prompt in this batch
@@ -502,27 +503,17 @@ class StandProposer(PluginProposer):
             self._learn(store, r)
             stores.append(store)
         self._enforce_budget()
-        for r, store in zip(ctx.requests, stores):
-            if store is None:
-                tokens.append([])
-                probs.append(None)
-                conf.append(None)
-                real.append(0)
-                kinds.append([])
-                continue
-            length = self.draft_budget(ctx, r.req_id)
+        for i, r, length in self.drafting_requests(ctx):
             sampled = r.temperature > _GREEDY_EPS
-            t, p, c, k = self.chain(store, r, length, sampled)
-            real.append(len(t))
-            kinds.append(k)
+            t, p, c, k = self.chain(stores[i], r, length, sampled)
+            real[i] = len(t)
+            kinds[i] = k
             if sampled and self._pad_sampled and length > len(t):
                 # Rule 2: the controller sees a length fixed before drafting.
                 pad = length - len(t)
                 t = t + [t[-1] if t else 0] * pad
                 c = np.concatenate([c, np.full(pad, np.nan, np.float32)])
-            tokens.append(t)
-            probs.append(p)
-            conf.append(c)
+            tokens[i], probs[i], conf[i] = t, p, c
             any_probs = any_probs or p is not None
         if self._pad_sampled:
             self._real_lengths = real

@@ -203,16 +203,12 @@ class TokenRecyclingProposer(PluginProposer):
 
     def draft(self, ctx: StepContext) -> Drafts:
         self.learn(ctx)
-        tokens, conf = [], []
+        n = len(ctx.requests)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        conf: list[np.ndarray | None] = [None] * n
         order = self.tables.context_order
-        for r in ctx.requests:
-            if r.in_prefill:
-                tokens.append([])
-                conf.append(None)
-                continue
-            length = self.draft_budget(ctx, r.req_id)
+        for i, r, length in self.drafting_requests(ctx):
             tail = [int(x) for x in r.context[-order:]]
-            toks, c = self.tables.chain(tail, length, self.options["min_confidence"])
-            tokens.append(toks)
-            conf.append(np.asarray(c, dtype=np.float32))
+            tokens[i], c = self.tables.chain(tail, length, self.options["min_confidence"])
+            conf[i] = np.asarray(c, dtype=np.float32)
         return Drafts(tokens, None, conf)
