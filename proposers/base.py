@@ -10,6 +10,7 @@ draft, never the engine.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ class PluginProposer:
         self.controller = self._make_controller()
         self.num_errors = 0
         self._logged_error = False
+        self._last_propose_seconds: float | None = None  # the engine waits for it
         self.model = None
 
     # ------------------------------------------------------------ vLLM route
@@ -69,6 +71,15 @@ class PluginProposer:
     # ------------------------------------------------------------ our route
     def step(self, ctx: StepContext) -> Drafts:
         """One engine step: learn, draft, trim. Never raises."""
+        start = time.perf_counter()
+        if ctx.last_propose_seconds is None:
+            ctx.last_propose_seconds = self._last_propose_seconds
+        try:
+            return self._step(ctx)
+        finally:
+            self._last_propose_seconds = time.perf_counter() - start
+
+    def _step(self, ctx: StepContext) -> Drafts:
         try:
             for req_id in ctx.finished:
                 self.free(req_id)

@@ -1161,7 +1161,9 @@ class GoodputController(_EstimatingController):
             tokens = ctx.last_step_tokens or sum(
                 (r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
             batch = getattr(ctx, "last_step_batch_size", None) or len(ctx.requests)
-            self.cost.observe(float(tokens), float(batch), float(ctx.last_step_seconds))
+            # The engine waits for the proposer as well as for the forward.
+            seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
+            self.cost.observe(float(tokens), float(batch), float(seconds))
         # Decide exploration now, so max_length() can see it during drafting.
         # Once warm, explore only while the slope's standard error moves
         # tau = b * goodput (the prefix probability a draft must beat) by more

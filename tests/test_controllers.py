@@ -571,3 +571,28 @@ def test_cut_drafts_are_observed_so_an_under_estimate_corrects_itself(confidence
     seen, blind = kept_after_switch(True), kept_after_switch(False)
     assert seen >= 60, seen                     # of at most 15 * 6 = 90
     assert seen >= 1.5 * blind, (seen, blind)
+
+
+def test_goodput_cost_counts_the_proposers_own_time():
+    """The engine waits for the proposer too: the proposer base hands its
+    previous step's time to the controller, which adds it to the step."""
+    import time as _time
+
+    from vllm_plugins.proposers.base import PluginProposer
+
+    class Slow(PluginProposer):
+        def draft(self, ctx):
+            _time.sleep(0.02)
+            return Drafts([[DRAFT_TOKEN] * 2 for _ in ctx.requests])
+
+    p = Slow(None, {"draft_length": "goodput"}, vocab_size=16)
+    seen = []
+    for _ in range(3):
+        ctx = StepContext([_req("a", 2, 1)], max_draft=D, last_step_seconds=0.05,
+                          last_step_tokens=3)
+        p.step(ctx)
+        seen.append(ctx.last_propose_seconds)
+    assert seen[0] is None and all(s >= 0.02 for s in seen[1:]), seen
+    recorded = p.controller.cost._y[:3]
+    assert recorded[0] == pytest.approx(0.05)
+    assert recorded[1:] == pytest.approx(0.05 + np.array(seen[1:]))

@@ -67,6 +67,10 @@ class StepContext:
     last_step_seconds: float | None = None
     # Tokens the previous step scheduled in total (all requests, drafts included).
     last_step_tokens: int = 0
+    # Seconds the proposer spent on the previous step (learning, drafting,
+    # choosing lengths), set by the proposer base: the engine waits for it
+    # too, and last_step_seconds leaves it out.
+    last_propose_seconds: float | None = None
     # Self-drafting methods only (proposer.SELF_DRAFT): the target's layers as
     # a drafter (vllm_plugins.self_draft.TargetLayers), and the verification
     # pass's residual stream after each layer the proposer asked for in
