@@ -24,6 +24,8 @@ from collections import Counter
 import pytest
 import torch
 
+from tests.processor_fixtures import processor_fixtures
+
 pytest.importorskip("vllm")
 pytest.importorskip("llguidance")
 pytest.importorskip("transformers")
@@ -80,20 +82,7 @@ def lm(model_dir):
     return logits
 
 
-@pytest.fixture(scope="module")
-def vllm_config(model_dir):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=model_dir, max_model_len=256, enforce_eager=True, dtype="float32"
-    ).create_engine_config()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+vllm_config, tokenizer = processor_fixtures("model_dir", max_model_len=256)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.processor_fixtures import processor_fixtures
+
 pytest.importorskip("vllm")
 pytest.importorskip("llguidance")
 
@@ -53,20 +55,7 @@ def model_path():
     return default_model_path()
 
 
-@pytest.fixture(scope="module")
-def vllm_config(model_path):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=model_path, max_model_len=1024, enforce_eager=True, dtype="float32"
-    ).create_engine_config()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
+vllm_config, tokenizer = processor_fixtures("model_path", max_model_len=1024)
 
 
 @pytest.fixture()
