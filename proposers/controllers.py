@@ -127,6 +127,7 @@ POLICY_OPTIONS: dict[str, dict[str, _Opt]] = {
         **_ESTIMATOR_OPTIONS,
         **_CONFIDENCE_OPTIONS,
         "use_confidence": _Opt(True, _bool, "true or false"),
+        "calibrate_prefix": _Opt(True, _bool, "true or false"),
         "cost_features": _Opt("tokens+batch", _choice("tokens", "tokens+batch"),
                               "'tokens' or 'tokens+batch'"),
         "cost_window": _Opt(256, _num(8, 65536, integer=True),
@@ -609,6 +610,83 @@ class ConfidenceCalibrator:
                 / (self.gn + self._STRENGTH)]
 
 
+class PrefixCalibrator:
+    """Maps the prefix probability a decision used to how often such prefixes
+    were really accepted.
+
+    The goodput rule compares each draft's prefix probability q (P(drafts
+    1..j all accepted)) with the break-even tau = b * goodput. q is a product
+    of per-position estimates, and the drafts a decision keeps are those
+    whose noisy estimates came out high: their realised acceptance falls
+    short of q (winner's curse), so at large batch the rule kept drafts that
+    did not pay. Here the q of every kept draft and of the first cut one is
+    stored at ``decide``; next step the prefix outcome of each is known (a
+    prefix fails at the first rejection; the cut draft's outcome is read as
+    in ``_observe_cut``). Per log-spaced bucket of q, decayed sums of
+    outcomes S_b and of predictions E_b give the correction
+
+        q_cal = q * (S_b + k) / (E_b + k)        k = 2 pseudo-drafts
+
+    made non-increasing along the draft again, and clipped to [_EPS, 1 - _EPS].
+    """
+
+    EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    _STRENGTH = 2.0
+    _HALF_LIFE = 256.0   # steps
+
+    def __init__(self, slots: RequestSlots, max_draft: int):
+        self.slots = slots
+        self.depth = max_draft
+        nb = len(self.EDGES) + 1
+        self.s = np.zeros(nb)
+        self.e = np.zeros(nb)
+        self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
+        slots.add("q_used", (max_draft,), np.float64, np.nan)
+
+    def factor(self, q: np.ndarray) -> np.ndarray:
+        b = np.searchsorted(self.EDGES, q)
+        k = self._STRENGTH
+        return (self.s[b] + k) / (self.e[b] + k)
+
+    def apply(self, q: np.ndarray) -> np.ndarray:
+        out = np.clip(q * self.factor(q), _EPS, 1.0 - _EPS)
+        return np.minimum.accumulate(out, axis=1)
+
+    def remember(self, rows: np.ndarray, q: np.ndarray, upto: np.ndarray) -> None:
+        """Store the raw q of positions < upto (kept drafts, plus the first
+        cut one when its outcome will be observed)."""
+        a = self.slots.arrays
+        a["q_used"][rows] = np.nan
+        w = min(q.shape[1], self.depth)
+        a["q_used"][rows, :w] = np.where(np.arange(w)[None, :] < upto[:, None],
+                                         q[:, :w], np.nan)
+
+    def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
+        """Rows verified this step: n observed positions (the cut one
+        included when observed), of which the first m accepted."""
+        a = self.slots.arrays
+        q = a["q_used"][rows]
+        a["q_used"][rows] = np.nan
+        if len(rows) == 0:
+            return
+        j = np.arange(self.depth)[None, :]
+        # A prefix longer than the accepted run failed, whether or not its
+        # own draft was verified; the cut draft counts only where observed.
+        seen = ~np.isnan(q) & ((j < n[:, None]) | (m[:, None] < n[:, None]))
+        if not seen.any():
+            return
+        x = (j < m[:, None])[seen].astype(np.float64)
+        qs = q[seen].astype(np.float64)
+        b = np.searchsorted(self.EDGES, qs)
+        nb = len(self.s)
+        self.s = self._decay * self.s + np.bincount(b, weights=x, minlength=nb)
+        self.e = self._decay * self.e + np.bincount(b, weights=qs, minlength=nb)
+
+    def table(self) -> list[float]:
+        k = self._STRENGTH
+        return [round(float(v), 3) for v in (self.s + k) / (self.e + k)]
+
+
 # --------------------------------------------------------------------------
 # step-time cost model
 # --------------------------------------------------------------------------
@@ -868,6 +946,8 @@ class _EstimatingController(DraftLengthController):
         self.slots.add("cut_token", (), np.int64, -1)
         self.slots.add("cut_at", (), np.int64, -1)
         self.cut_observed = 0
+        self.prefix = (PrefixCalibrator(self.slots, max_draft)
+                       if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
         self._batch_hint = 1
 
@@ -883,6 +963,8 @@ class _EstimatingController(DraftLengthController):
         n = np.where(emitted > 0, n, 0)
         m = np.minimum(np.maximum(emitted - 1, 0), n)
         n, m = self._observe_cut(reqs, rows, emitted, n, m)
+        if self.prefix is not None:
+            self.prefix.observe(rows, n, m)
         verified = n > 0
         self.estimator.observe(rows[verified], n[verified], m[verified])
         a = self.slots.arrays
@@ -987,10 +1069,15 @@ class _EstimatingController(DraftLengthController):
         p, conf = self._position_probs(rows, drafts, width)
         q = np.cumprod(p, axis=1)   # prefix probabilities: P(drafts 1..j accepted)
         valid = np.arange(width)[None, :] < lengths[:, None]
+        q_raw = q
+        if self.prefix is not None:
+            q = self.prefix.apply(q)
         keep = self._choose(rows, lengths, q, valid, ctx)
         keep = self._probe(rows, lengths, keep, self._cut_observable(drafts, lengths))
         keep = np.minimum(keep, lengths)
         cut = self._remember_cut(rows, drafts, lengths, keep)
+        if self.prefix is not None:
+            self.prefix.remember(rows, q_raw, keep + cut)
         if self.calibrator is not None:
             self.calibrator.remember(rows, conf, keep, keep + cut)
         return keep
@@ -1070,6 +1157,8 @@ class _EstimatingController(DraftLengthController):
         out = super().stats()
         out["acceptance_global"] = round(self.estimator.global_rate, 4)
         out["cut_drafts_observed"] = self.cut_observed
+        if self.prefix is not None:
+            out["prefix_calibration"] = self.prefix.table()
         out["changes_detected"] = self.estimator.changes
         if self.calibrator is not None:
             out["calibration_global"] = self.calibrator.table()

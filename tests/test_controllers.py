@@ -596,3 +596,26 @@ def test_goodput_cost_counts_the_proposers_own_time():
     recorded = p.controller.cost._y[:3]
     assert recorded[0] == pytest.approx(0.05)
     assert recorded[1:] == pytest.approx(0.05 + np.array(seen[1:]))
+
+
+def test_prefix_calibration_learns_realised_acceptance_of_kept_drafts():
+    """Kept drafts whose prefixes were predicted at 0.6 but accepted 30% of
+    the time: the calibrated q moves to ~0.3, stays non-increasing along the
+    draft, and leaves buckets without data near their raw value."""
+    slots = ctl.RequestSlots()
+    cal = ctl.PrefixCalibrator(slots, D)
+    rng = np.random.default_rng(0)
+    rows = slots.slots([f"r{i}" for i in range(16)])
+    for _ in range(200):
+        q = np.full((16, D), 0.6)
+        q[:, 1:] = 0.05                            # later positions: another bucket
+        cal.remember(rows, q, np.ones(16, np.int64))   # one kept draft each
+        m = (rng.random(16) < 0.3).astype(np.int64)
+        cal.observe(rows, np.ones(16, np.int64), m)
+    out = cal.apply(np.array([[0.6, 0.55, 0.05, 0.01, 0.01, 0.01]]))
+    assert out[0, 0] == pytest.approx(0.3, abs=0.05), out
+    assert (np.diff(out[0]) <= 1e-12).all(), out
+    assert out[0, 3] == pytest.approx(0.01, rel=0.2), out
+    g = make_controller("goodput", {}, D)
+    assert g.stats()["prefix_calibration"] and "prefix_calibration" not in \
+        make_controller("goodput", {"calibrate_prefix": False}, D).stats()
