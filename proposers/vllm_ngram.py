@@ -37,16 +37,11 @@ class AdaptiveNgramProposer(PluginProposer):
 
     def draft(self, ctx: StepContext) -> Drafts:
         lo, hi = self.options["prompt_lookup_min"], self.options["prompt_lookup_max"]
-        out = []
-        for r in ctx.requests:
-            if r.in_prefill:
-                out.append([])
-                continue
-            k = self.draft_budget(ctx, r.req_id)
+        out: list[list[int]] = [[] for _ in ctx.requests]
+        for i, r, k in self.drafting_requests(ctx):
             if k <= 0:
-                out.append([])
                 continue
             tokens = np.ascontiguousarray(r.context, dtype=np.int32)
             found = self._lookup(tokens, lo, hi, len(tokens) + k, k)
-            out.append([int(t) for t in found])
+            out[i] = [int(t) for t in found]
         return Drafts(out)
