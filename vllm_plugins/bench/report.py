@@ -64,9 +64,13 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     cats = list(dict.fromkeys(r["category"] for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, len(cats) * 1.3), 4.5))
+    # MAT-only runs (no baseline) have no speedups: one panel.
+    keys = ("MAT", "speedup") if any(r.get("speedup") for r in rows) else ("MAT",)
+    fig, axes = plt.subplots(1, len(keys), squeeze=False,
+                             figsize=(max(8, len(cats) * 1.3) * len(keys) / 2 + 2, 4.5))
+    axes = axes[0]
     width = 0.8 / max(len(methods), 1)
-    for ax, key in zip(axes, ("MAT", "speedup")):
+    for ax, key in zip(axes, keys):
         for j, m in enumerate(methods):
             vals = [next((r[key] or 0 for r in rows
                           if r["category"] == c and r["method"] == m), 0) for c in cats]
