@@ -997,7 +997,6 @@ class _EstimatingController(DraftLengthController):
         if not self.observe_cut:
             return n, m
         peek = (cut_token >= 0) & (emitted > 0) & (m == n) & (cut_at == n)
-        peek &= n < self.max_draft
         if not peek.any():
             return n, m
         last = np.array([int(r.accepted[-1]) if len(r.accepted) else -1 for r in reqs],
@@ -1007,14 +1006,10 @@ class _EstimatingController(DraftLengthController):
         return n + peek, m + hit
 
     def _remember_cut(self, rows, drafts: Drafts, lengths: np.ndarray,
-                      keep: np.ndarray) -> np.ndarray:
-        """Store each row's first cut draft; returns the rows that have one.
-        Rows with draft probabilities (stochastic drafts) are left out: their
-        acceptance is min(1, p/q), which the sampled token does not show."""
-        cut = (keep < lengths) & self.observe_cut
-        if drafts.probs is not None:
-            cut &= np.array([drafts.probs[i] is None if i < len(drafts.probs) else True
-                             for i in range(len(keep))], dtype=bool)
+                      keep: np.ndarray, observable: np.ndarray) -> np.ndarray:
+        """Store the first cut draft of each ``observable`` row (see
+        ``_cut_observable``); returns the rows that have one."""
+        cut = (keep < lengths) & observable
         a = self.slots.arrays
         idx = np.nonzero(cut)[0]
         if len(idx):
@@ -1073,9 +1068,10 @@ class _EstimatingController(DraftLengthController):
         if self.prefix is not None:
             q = self.prefix.apply(q)
         keep = self._choose(rows, lengths, q, valid, ctx)
-        keep = self._probe(rows, lengths, keep, self._cut_observable(drafts, lengths))
+        observable = self._cut_observable(drafts, lengths)
+        keep = self._probe(rows, lengths, keep, observable)
         keep = np.minimum(keep, lengths)
-        cut = self._remember_cut(rows, drafts, lengths, keep)
+        cut = self._remember_cut(rows, drafts, lengths, keep, observable)
         if self.prefix is not None:
             self.prefix.remember(rows, q_raw, keep + cut)
         if self.calibrator is not None:
@@ -1083,8 +1079,11 @@ class _EstimatingController(DraftLengthController):
         return keep
 
     def _cut_observable(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
-        """Rows whose zero choice still teaches (a cut draft is observed):
-        they need no probe."""
+        """Rows whose cut draft the next step observes: deterministic drafts
+        with observe_cut on. Rows with draft probabilities (stochastic
+        drafts) are left out: their acceptance is min(1, p/q), which the
+        sampled token does not show. An observable zero choice still
+        teaches, so it needs no probe."""
         ok = (lengths > 0) & self.observe_cut
         if drafts.probs is not None:
             ok &= np.array([drafts.probs[i] is None if i < len(drafts.probs) else True

@@ -66,8 +66,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     methods = list(dict.fromkeys(r["method"] for r in rows))
     # MAT-only runs (no baseline) have no speedups: one panel.
     keys = ("MAT", "speedup") if any(r.get("speedup") for r in rows) else ("MAT",)
+    width_in = max(8, len(cats) * 1.3)
     fig, axes = plt.subplots(1, len(keys), squeeze=False,
-                             figsize=(max(8, len(cats) * 1.3) * len(keys) / 2 + 2, 4.5))
+                             figsize=(width_in if len(keys) == 2 else width_in / 2 + 2, 4.5))
     axes = axes[0]
     width = 0.8 / max(len(methods), 1)
     for ax, key in zip(axes, keys):
