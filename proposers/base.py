@@ -28,6 +28,12 @@ class PluginProposer:
     # How many of the target's top-k per verified position the bridge extracts
     # (0: the method does not learn from logits).
     TOPK = 0
+    # Whether whole engine steps may pass without calling draft(): true for
+    # methods that keep no per-step state (they read each request's context
+    # afresh). The goodput controller rests such a proposer where drafts
+    # cannot pay, and the step then costs what a step without speculation
+    # costs, nearly (no top-k extraction, no learning, no drafting).
+    CAN_REST = False
 
     def __init__(self, vllm_config: Any = None, options: dict | None = None,
                  vocab_size: int | None = None):
@@ -48,6 +54,8 @@ class PluginProposer:
         if "topk" in self.options:  # methods that learn from the target's top-k
             self.TOPK = self.options["topk"]
         self.controller = self._make_controller()
+        if self.controller is not None:
+            self.controller.can_rest = self.CAN_REST
         self.num_errors = 0
         self._logged_error = False
         self._last_propose_seconds: float | None = None  # the engine waits for it
@@ -85,6 +93,8 @@ class PluginProposer:
                 self.free(req_id)
             if self.controller is not None:
                 self.controller.observe(ctx)
+                if self.controller.resting:
+                    return Drafts([[] for _ in ctx.requests])
             drafts = self.draft(ctx)
             if self.controller is not None:
                 keep = self.controller.decide(ctx, drafts)
@@ -101,6 +111,13 @@ class PluginProposer:
 
     def draft(self, ctx: StepContext) -> Drafts:
         raise NotImplementedError
+
+    def topk_wanted(self) -> int:
+        """How many of the target's top-k the bridge extracts this step: none
+        on a step the controller has already decided to rest."""
+        if self.controller is not None and self.controller.rests_next_step:
+            return 0
+        return self.TOPK
 
     def draft_budget(self, ctx: StepContext, req_id: str) -> int:
         """The most tokens worth drafting for a request this step."""

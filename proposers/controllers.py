@@ -130,6 +130,8 @@ POLICY_OPTIONS: dict[str, dict[str, _Opt]] = {
         "calibrate_prefix": _Opt(True, _bool, "true or false"),
         "cost_features": _Opt("tokens+batch", _choice("tokens", "tokens+batch"),
                               "'tokens' or 'tokens+batch'"),
+        "switch_cost": _Opt(True, _bool, "true or false"),
+        "rest": _Opt(True, _bool, "true or false"),
         "cost_window": _Opt(256, _num(8, 65536, integer=True),
                             "an integer in [8, 65536]"),
         "warmup": _Opt(16, _num(3, integer=True), "an integer >= 3"),
@@ -694,14 +696,23 @@ class PrefixCalibrator:
 class StepCostModel:
     """Engine step time as a linear function, fitted online.
 
-        t(step) ~= a + b * tokens (+ c * batch),   a, b, c >= 0
+        t(step) ~= a + b * tokens (+ c * batch) (+ d * verifies),   a..d >= 0
 
-    fitted by least squares over the last ``window`` (tokens, batch, seconds)
-    observations (a ring buffer), with one round of outlier rejection
-    (|residual| > 5 robust sigmas) and a non-negativity constraint (the best
-    non-negative subset fit). ``batch`` is dropped when it does not vary
-    independently of ``tokens`` in the window. Before ``warmup`` observations
-    with at least two distinct token counts, the prior is used:
+    ``verifies`` is 1 for a step that verified at least one draft. Measured
+    on the CPU default at batch 16 (docs/draft_length.md): a step with one
+    draft per request costs about 6 ms more than the line through steps
+    with more drafts predicts, on an 80 ms step, so a straight line through
+    all steps underprices the first drafts and a batch of drafts at
+    break-even runs slower than none; ``d`` is that step-level switch cost.
+
+    Fitted by least squares over the last ``window`` (tokens, batch,
+    verifies, seconds) observations (a ring buffer), with one round of
+    outlier rejection (|residual| > 5 robust sigmas) and a non-negativity
+    constraint (the best non-negative subset fit). ``batch`` is dropped when
+    it does not vary independently of ``tokens`` in the window, ``verifies``
+    while fewer than ``_MIN_MODE_STEPS`` steps of either kind are in it.
+    Before ``warmup`` observations with at least two distinct token counts,
+    the prior is used:
 
         t ~= 1 + prior_token_cost * tokens     (unitless; nearly flat)
 
@@ -710,30 +721,35 @@ class StepCostModel:
     """
 
     _REFIT_EVERY = 4
+    _MIN_MODE_STEPS = 4
 
     def __init__(self, *, cost_features: str = "tokens+batch", cost_window: int = 256,
-                 warmup: int = 16, prior_token_cost: float = 0.001, **_: Any):
+                 warmup: int = 16, prior_token_cost: float = 0.001,
+                 switch_cost: bool = True, **_: Any):
         self.use_batch = cost_features == "tokens+batch"
+        self.use_switch = switch_cost
         self.window = cost_window
         self.warmup = warmup
         self.prior_token_cost = prior_token_cost
-        self._x = np.zeros((cost_window, 2))   # tokens, batch
+        self._x = np.zeros((cost_window, 3))   # tokens, batch, verifies
         self._y = np.zeros(cost_window)
         self._len = 0
         self._pos = 0
         self.num_observed = 0
         self._dirty = False
         self._coef = (1.0, prior_token_cost, 0.0)
+        self.switch_s = 0.0            # d: extra fixed cost of a verifying step
         self._warm = False
         self._rmse = float("nan")
         self._outliers = 0
         self._fitted_at = 0
         self.slope_se = float("inf")   # standard error of b (s/token)
 
-    def observe(self, tokens: float, batch: float, seconds: float) -> None:
+    def observe(self, tokens: float, batch: float, seconds: float,
+                verifies: bool = True) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
-        self._x[self._pos] = (tokens, batch)
+        self._x[self._pos] = (tokens, batch, float(verifies))
         self._y[self._pos] = seconds
         self._pos = (self._pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
@@ -745,8 +761,17 @@ class StepCostModel:
         self._refit()
         return self._warm
 
+    def needs_idle_step(self) -> bool:
+        """Whether the window holds too few steps without a verification to
+        tell the verify-step cost ``d`` apart from the intercept."""
+        if not self.use_switch:
+            return False
+        idle = int(self._len - self._x[:self._len, 2].sum())
+        return idle < self._MIN_MODE_STEPS
+
     def line(self, batch: int) -> tuple[float, float]:
-        """(intercept, slope) of t(tokens) for a step of ``batch`` requests."""
+        """(intercept, slope) of t(tokens) for a step of ``batch`` requests
+        that verifies no draft; one that does costs ``switch_s`` more."""
         self._refit()
         a, b, c = self._coef
         return a + c * batch, b
@@ -759,7 +784,7 @@ class StepCostModel:
         self._refit()
         a, b, c = self._coef
         return {"intercept_s": a, "per_token_s": b, "per_request_s": c,
-                "warm": self._warm, "observations": self.num_observed,
+                "verify_step_s": self.switch_s, "warm": self._warm, "observations": self.num_observed,
                 "window": self._len,
                 "rmse_s": None if math.isnan(self._rmse) else self._rmse,
                 "outliers_dropped": self._outliers,
@@ -778,14 +803,19 @@ class StepCostModel:
         n = self._len
         if n < self.warmup:
             return
-        tok, bat, y = self._x[:n, 0], self._x[:n, 1], self._y[:n]
+        tok, bat, ver, y = self._x[:n, 0], self._x[:n, 1], self._x[:n, 2], self._y[:n]
         if np.ptp(tok) <= 0:
             return  # one token count: the slope is not identifiable yet
         cols = [np.ones(n), tok]
-        if self.use_batch and np.ptp(bat) > 0:
-            corr = np.corrcoef(tok, bat)[0, 1]
-            if np.isfinite(corr) and abs(corr) < 0.98:
-                cols.append(bat)
+        names = ["a", "b"]
+        if self.use_batch and _independent(tok, bat):
+            cols.append(bat)
+            names.append("c")
+        verifying = int(ver.sum())
+        if (self.use_switch and min(verifying, n - verifying) >= self._MIN_MODE_STEPS
+                and _independent(tok, ver)):
+            cols.append(ver)
+            names.append("d")
         x = np.stack(cols, 1)
         coef = self._nnls(x, y)
         resid = y - x @ coef
@@ -803,14 +833,15 @@ class StepCostModel:
             self.slope_se = float(np.sqrt(max(cov[1, 1], 0.0)))
         except np.linalg.LinAlgError:
             self.slope_se = float("inf")
-        full = np.zeros(3)
-        full[:len(coef)] = coef
-        self._coef = (float(full[0]), float(full[1]), float(full[2]))
+        got = dict(zip(names, (float(v) for v in coef)))
+        self._coef = (got["a"], got["b"], got.get("c", 0.0))
+        self.switch_s = got.get("d", 0.0)
         self._warm = True
 
     @staticmethod
     def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """Least squares with all coefficients >= 0 (exact for <= 3 columns)."""
+        """Least squares with all coefficients >= 0 (exact: every subset of
+        the <= 4 columns is tried when the plain fit has a negative one)."""
         scale = np.maximum(np.abs(x).max(0), 1e-12)
         xs = x / scale
         coef, *_ = np.linalg.lstsq(xs, y, rcond=None)
@@ -831,6 +862,14 @@ class StepCostModel:
         return best / scale
 
 
+def _independent(tok: np.ndarray, other: np.ndarray) -> bool:
+    """Whether ``other`` varies, and not in lockstep with ``tok``."""
+    if np.ptp(other) <= 0:
+        return False
+    corr = np.corrcoef(tok, other)[0, 1]
+    return bool(np.isfinite(corr) and abs(corr) < 0.98)
+
+
 # --------------------------------------------------------------------------
 # controllers
 # --------------------------------------------------------------------------
@@ -844,6 +883,15 @@ class DraftLengthController:
     """
 
     name = "base"
+    # Set by the proposer: whether it may skip whole steps (PluginProposer.CAN_REST).
+    can_rest = False
+    # This step rests: the proposer skips drafting and learning.
+    resting = False
+
+    @property
+    def rests_next_step(self) -> bool:
+        """Already decided: the next step rests (the bridge skips its top-k)."""
+        return False
 
     def __init__(self, max_draft: int, options: dict):
         self.max_draft = int(max_draft)
@@ -869,6 +917,7 @@ class DraftLengthController:
     def decide(self, ctx: StepContext, drafts: Drafts) -> list[int]:
         lengths = np.fromiter((min(len(t), self.max_draft) for t in drafts.tokens),
                               dtype=np.int64, count=len(drafts.tokens))
+        self.last_offered = False
         if len(lengths) == 0:
             return []
         # Requests with no draft because max_length() said 0: the controller's
@@ -883,6 +932,7 @@ class DraftLengthController:
         keep = self._decide(ctx, drafts, lengths)
         keep = np.clip(keep, 0, lengths)
         offered = lengths > 0
+        self.last_offered = bool(offered.any())
         bound = self._bound_mask
         self.no_draft += int((~offered & ~bound).sum())
         self.decisions += int((offered | bound).sum())
@@ -1200,14 +1250,17 @@ class ConfidenceController(_EstimatingController):
 
 
 def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
-                       slope: float) -> tuple[np.ndarray, float, float]:
-    """Per-row k maximising (B + sum_i sum_{j<k_i} q_ij) / (intercept + slope * N).
+                       slope: float, switch: float = 0.0
+                       ) -> tuple[np.ndarray, float, float]:
+    """Per-row k maximising (B + sum_i sum_{j<k_i} q_ij) / t(N), where
+    t(N) = intercept + slope * N, plus ``switch`` when any k_i > 0.
 
     ``q[i, j]``: probability that drafts 1..j+1 of row i are all accepted
     (non-increasing in j); ``valid`` marks offered drafts; N = sum_i (1 + k_i)
     is the step's token count and B the number of rows. Greedy marginal
-    allocation, exact here: candidates sorted by q (ties: earlier position
-    first, so each row keeps a prefix), then the best count M of them.
+    allocation, exact here: for a given count M of kept drafts the best are
+    the M largest q (ties: earlier position first, so each row keeps a
+    prefix), and the best M is chosen with the switch cost in every M > 0.
     Returns (k per row, expected goodput, expected generated tokens).
     """
     batch = q.shape[0]
@@ -1216,7 +1269,8 @@ def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
     order = np.lexsort((j_idx, -gain))   # by gain desc, then position asc
     cum = np.concatenate([[0.0], np.cumsum(gain[order])])
     m = np.arange(len(cum))
-    goodput = (batch + cum) / np.maximum(intercept + slope * (batch + m), 1e-300)
+    cost = intercept + slope * (batch + m) + np.where(m > 0, switch, 0.0)
+    goodput = (batch + cum) / np.maximum(cost, 1e-300)
     best = int(np.argmax(goodput))
     keep = np.bincount(r_idx[order[:best]], minlength=batch).astype(np.int64)
     return keep, float(goodput[best]), float(batch + cum[best])
@@ -1233,6 +1287,13 @@ class GoodputController(_EstimatingController):
 
     name = "goodput"
 
+    # Resting: after _REST_AFTER steps in a row that kept no draft, the next
+    # _REST_MIN steps skip the proposer entirely; each rest that follows
+    # straight on the previous one doubles, up to _REST_MAX steps.
+    _REST_AFTER = 3
+    _REST_MIN = 4
+    _REST_MAX = 64
+
     def __init__(self, max_draft: int, options: dict):
         self.uses_confidence = bool(options["use_confidence"])
         super().__init__(max_draft, options)
@@ -1242,16 +1303,89 @@ class GoodputController(_EstimatingController):
         self.explore_steps = 0
         self.last_expected_goodput = float("nan")
         self.last_expected_tokens = float("nan")
+        self._zero_run = 0            # steps in a row that kept no draft
+        self._rest_left = 0           # steps still to rest
+        self._rest_len = self._REST_MIN
+        self._rest_batch = 0          # batch size when the rest began
+        self.rest_steps = 0
+        self._idle_probe_at = -self._IDLE_PROBE_GAP
+        self.idle_probes = 0
 
-    def _observe(self, ctx: StepContext) -> None:
-        super()._observe(ctx)
+    # ----------------------------------------------------------------- rest
+    @property
+    def rests_next_step(self) -> bool:
+        return self._rest_left > 0
+
+    def observe(self, ctx: StepContext) -> None:
+        self.resting = False
+        if self._rest_left > 0:
+            self._rest_left -= 1
+            # Half the batch gone changes what a draft is worth: decide again.
+            if 2 * len(ctx.requests) > self._rest_batch:
+                self.resting = True
+                self._observe_resting(ctx)
+                return
+            self._rest_left = 0
+        super().observe(ctx)
+
+    def _observe_resting(self, ctx: StepContext) -> None:
+        """A resting step: bookkeeping only. No draft was verified (the step
+        before kept none), so there is nothing to learn but the step's time;
+        per-request state that waits for a verification is dropped."""
+        for rid in ctx.finished:
+            self.free(rid)
+        self.steps += 1
+        self.rest_steps += 1
+        self._observe_cost(ctx)
+        if ctx.requests:
+            rows = self.slots.slots([r.req_id for r in ctx.requests])
+            a = self.slots.arrays
+            a["cut_token"][rows] = -1
+            a["probing"][rows] = False
+            if self.prefix is not None:
+                a["q_used"][rows] = np.nan
+            if self.calibrator is not None:
+                a["conf_kept"][rows] = np.nan
+            live = len(ctx.requests)
+            self.decisions += live
+            self.zero_choices += live
+            self.hist[0] += live
+
+    def decide(self, ctx: StepContext, drafts: Drafts) -> list[int]:
+        if self.resting:   # the proposer does not ask; keep nothing if it does
+            return [0] * len(drafts.tokens)
+        keep = super().decide(ctx, drafts)
+        self._after_decide(len(drafts.tokens), keep)
+        return keep
+
+    def _after_decide(self, batch: int, keep: list[int]) -> None:
+        if any(keep):
+            self._zero_run = 0
+            self._rest_len = self._REST_MIN
+            return
+        offered = self._bound_mask.any() or self.last_offered
+        if not (offered and self.can_rest and self.options["rest"] and self.cost.warm):
+            return
+        self._zero_run += 1
+        if self._zero_run >= self._REST_AFTER:
+            self._zero_run = 0
+            self._rest_left = self._rest_len
+            self._rest_len = min(2 * self._rest_len, self._REST_MAX)
+            self._rest_batch = batch
+
+    def _observe_cost(self, ctx: StepContext) -> None:
         if ctx.last_step_seconds is not None and ctx.requests:
             tokens = ctx.last_step_tokens or sum(
                 (r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
             batch = getattr(ctx, "last_step_batch_size", None) or len(ctx.requests)
             # The engine waits for the proposer as well as for the forward.
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
-            self.cost.observe(float(tokens), float(batch), float(seconds))
+            verifies = any(r.num_draft > 0 for r in ctx.requests)
+            self.cost.observe(float(tokens), float(batch), float(seconds), verifies)
+
+    def _observe(self, ctx: StepContext) -> None:
+        super()._observe(ctx)
+        self._observe_cost(ctx)
         # Decide exploration now, so max_length() can see it during drafting.
         # Once warm, explore only while the slope's standard error moves
         # tau = b * goodput (the prefix probability a draft must beat) by more
@@ -1265,8 +1399,16 @@ class GoodputController(_EstimatingController):
         self._explore_cap = None
         if rate > 0 and self.rng.random() < rate:
             self._explore_cap = int(self.rng.integers(0, self.max_draft + 1))
+        elif (self.cost.warm and self.steps - self._idle_probe_at >= self._IDLE_PROBE_GAP
+              and self.cost.needs_idle_step()):
+            # Where every step verifies, the verify-step cost hides in the
+            # intercept; one step with no draft now and then keeps it apart.
+            self._explore_cap = 0
+            self._idle_probe_at = self.steps
+            self.idle_probes += 1
 
     _TAU_TOLERANCE = 0.02
+    _IDLE_PROBE_GAP = 32   # steps: at most 1 in 32 forced to verify nothing
 
     def _goodput_scale(self) -> float:
         """Tokens per second of the last decision (or of no drafting at all)."""
@@ -1283,7 +1425,7 @@ class GoodputController(_EstimatingController):
             cap, self._explore_cap = self._explore_cap, None
             return np.minimum(lengths, cap)
         a, b = self.cost.line(batch)
-        keep, goodput, tokens = goodput_allocation(q, valid, a, b)
+        keep, goodput, tokens = goodput_allocation(q, valid, a, b, self.cost.switch_s)
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         # A draft is worth its cost when its prefix probability exceeds
@@ -1309,6 +1451,8 @@ class GoodputController(_EstimatingController):
     def stats(self) -> dict:
         out = super().stats()
         out["explore_steps"] = self.explore_steps
+        out["rest_steps"] = self.rest_steps
+        out["idle_probes"] = self.idle_probes
         out["cost_model"] = self.cost.coefficients()
         g = self.last_expected_goodput
         out["last_expected_goodput"] = None if math.isnan(g) else g

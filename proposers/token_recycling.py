@@ -157,6 +157,7 @@ class TokenRecyclingProposer(PluginProposer):
         Option("save_path", None, (str, type(None))),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
+    CAN_REST = True   # drafts from the tables and each request's context
 
     def __init__(self, vllm_config=None, options: dict | None = None,
                  vocab_size: int | None = None):

@@ -21,6 +21,7 @@ class AdaptiveNgramProposer(PluginProposer):
         positive_int("prompt_lookup_max", 5),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+    CAN_REST = True   # a lookup in each request's context, no state
 
     def __init__(self, vllm_config=None, options: dict | None = None):
         super().__init__(vllm_config, options)

@@ -315,7 +315,7 @@ def read_stats(worker) -> dict:
 
 
 def _stash_topk(runner, logits: torch.Tensor, spec_decode_metadata) -> None:
-    k = runner.drafter.TOPK
+    k = runner.drafter.topk_wanted()
     draft_ids = None
     if spec_decode_metadata is not None:
         # SpecDecodeMetadata.num_draft_tokens: list[int] per request in batch
