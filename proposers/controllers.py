@@ -131,6 +131,8 @@ POLICY_OPTIONS: dict[str, dict[str, _Opt]] = {
         "cost_features": _Opt("tokens+batch", _choice("tokens", "tokens+batch"),
                               "'tokens' or 'tokens+batch'"),
         "switch_cost": _Opt(True, _bool, "true or false"),
+        "shape_cache": _Opt(32, _num(0, 4096, integer=True),
+                            "an integer in [0, 4096] (0: no new-shape cost)"),
         "rest": _Opt(True, _bool, "true or false"),
         "cost_window": _Opt(256, _num(8, 65536, integer=True),
                             "an integer in [8, 65536]"),
@@ -696,21 +698,30 @@ class PrefixCalibrator:
 class StepCostModel:
     """Engine step time as a linear function, fitted online.
 
-        t(step) ~= a + b * tokens (+ c * batch) (+ d * verifies),   a..d >= 0
+        t(step) ~= a + b * tokens (+ c * batch) (+ d * verifies) (+ e * cold),
+                   a..e >= 0
 
-    ``verifies`` is 1 for a step that verified at least one draft. Measured
-    on the CPU default at batch 16 (docs/draft_length.md): a step with one
-    draft per request costs about 6 ms more than the line through steps
-    with more drafts predicts, on an 80 ms step, so a straight line through
-    all steps underprices the first drafts and a batch of drafts at
-    break-even runs slower than none; ``d`` is that step-level switch cost.
+    Two step-level terms, both measured on the CPU default at batch 16
+    (docs/draft_length.md), where a step without drafts takes about 80 ms:
+
+    - ``verifies`` is 1 for a step that verified at least one draft: such a
+      step costs about 6 ms more than the line through steps with more
+      drafts predicts.
+    - ``cold`` is 1 for a step whose token count was not among the last
+      ``shape_cache`` distinct counts. vLLM's CPU linear layers build a
+      oneDNN kernel per token count and keep 32 per layer; a step with a new
+      count paid about 100 ms more. A rule blind to this spreads the step's
+      token count over many values and pays it again and again (a GPU with
+      CUDA graphs has the same kind of cost for sizes off its captured set).
 
     Fitted by least squares over the last ``window`` (tokens, batch,
-    verifies, seconds) observations (a ring buffer), with one round of
+    verifies, cold, seconds) observations (a ring buffer), with one round of
     outlier rejection (|residual| > 5 robust sigmas) and a non-negativity
     constraint (the best non-negative subset fit). ``batch`` is dropped when
-    it does not vary independently of ``tokens`` in the window, ``verifies``
-    while fewer than ``_MIN_MODE_STEPS`` steps of either kind are in it.
+    it does not vary independently of ``tokens`` in the window; ``verifies``
+    and ``cold`` while fewer than ``_MIN_MODE_STEPS`` steps of either kind
+    are in it (``cold`` then keeps its last estimate: it is a property of
+    the runtime, and once the rule avoids cold steps they become rare).
     Before ``warmup`` observations with at least two distinct token counts,
     the prior is used:
 
@@ -725,13 +736,14 @@ class StepCostModel:
 
     def __init__(self, *, cost_features: str = "tokens+batch", cost_window: int = 256,
                  warmup: int = 16, prior_token_cost: float = 0.001,
-                 switch_cost: bool = True, **_: Any):
+                 switch_cost: bool = True, shape_cache: int = 32, **_: Any):
         self.use_batch = cost_features == "tokens+batch"
         self.use_switch = switch_cost
+        self.use_shape = shape_cache > 0
         self.window = cost_window
         self.warmup = warmup
         self.prior_token_cost = prior_token_cost
-        self._x = np.zeros((cost_window, 3))   # tokens, batch, verifies
+        self._x = np.zeros((cost_window, 4))   # tokens, batch, verifies, cold
         self._y = np.zeros(cost_window)
         self._len = 0
         self._pos = 0
@@ -739,6 +751,7 @@ class StepCostModel:
         self._dirty = False
         self._coef = (1.0, prior_token_cost, 0.0)
         self.switch_s = 0.0            # d: extra fixed cost of a verifying step
+        self.cold_s = 0.0              # e: extra cost of a step with a new token count
         self._warm = False
         self._rmse = float("nan")
         self._outliers = 0
@@ -746,10 +759,10 @@ class StepCostModel:
         self.slope_se = float("inf")   # standard error of b (s/token)
 
     def observe(self, tokens: float, batch: float, seconds: float,
-                verifies: bool = True) -> None:
+                verifies: bool = True, cold: bool = False) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
-        self._x[self._pos] = (tokens, batch, float(verifies))
+        self._x[self._pos] = (tokens, batch, float(verifies), float(cold))
         self._y[self._pos] = seconds
         self._pos = (self._pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
@@ -784,7 +797,8 @@ class StepCostModel:
         self._refit()
         a, b, c = self._coef
         return {"intercept_s": a, "per_token_s": b, "per_request_s": c,
-                "verify_step_s": self.switch_s, "warm": self._warm, "observations": self.num_observed,
+                "verify_step_s": self.switch_s, "new_shape_s": self.cold_s,
+                "warm": self._warm, "observations": self.num_observed,
                 "window": self._len,
                 "rmse_s": None if math.isnan(self._rmse) else self._rmse,
                 "outliers_dropped": self._outliers,
@@ -803,7 +817,7 @@ class StepCostModel:
         n = self._len
         if n < self.warmup:
             return
-        tok, bat, ver, y = self._x[:n, 0], self._x[:n, 1], self._x[:n, 2], self._y[:n]
+        tok, bat, y = self._x[:n, 0], self._x[:n, 1], self._y[:n]
         if np.ptp(tok) <= 0:
             return  # one token count: the slope is not identifiable yet
         cols = [np.ones(n), tok]
@@ -811,11 +825,19 @@ class StepCostModel:
         if self.use_batch and _independent(tok, bat):
             cols.append(bat)
             names.append("c")
-        verifying = int(ver.sum())
-        if (self.use_switch and min(verifying, n - verifying) >= self._MIN_MODE_STEPS
-                and _independent(tok, ver)):
-            cols.append(ver)
-            names.append("d")
+        y = y.copy()
+        for col, name, used in ((2, "d", self.use_switch), (3, "e", self.use_shape)):
+            flag = self._x[:n, col]
+            ones = int(flag.sum())
+            if used and min(ones, n - ones) >= self._MIN_MODE_STEPS and _independent(tok, flag):
+                cols.append(flag)
+                names.append(name)
+            else:
+                # Too few steps of one kind to fit it: the last estimate
+                # stands, and the few flagged steps are corrected by it
+                # rather than pulling the line (a long rest leaves a window
+                # of idle steps with a handful of verifying ones).
+                y -= flag * (self.switch_s if name == "d" else self.cold_s)
         x = np.stack(cols, 1)
         coef = self._nnls(x, y)
         resid = y - x @ coef
@@ -835,13 +857,14 @@ class StepCostModel:
             self.slope_se = float("inf")
         got = dict(zip(names, (float(v) for v in coef)))
         self._coef = (got["a"], got["b"], got.get("c", 0.0))
-        self.switch_s = got.get("d", 0.0)
+        self.switch_s = got.get("d", self.switch_s)
+        self.cold_s = got.get("e", self.cold_s)
         self._warm = True
 
     @staticmethod
     def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Least squares with all coefficients >= 0 (exact: every subset of
-        the <= 4 columns is tried when the plain fit has a negative one)."""
+        the <= 5 columns is tried when the plain fit has a negative one)."""
         scale = np.maximum(np.abs(x).max(0), 1e-12)
         xs = x / scale
         coef, *_ = np.linalg.lstsq(xs, y, rcond=None)
@@ -860,6 +883,32 @@ class StepCostModel:
                 best = np.zeros(p)
                 best[idx] = c
         return best / scale
+
+
+class RecentSizes:
+    """The last ``capacity`` distinct token counts of engine steps, least
+    recently used first: the counts whose kernels the runtime still holds
+    (vLLM's CPU linear layers keep 32 per layer)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._recent: dict[int, None] = {}   # insertion order = recency
+
+    def touch(self, tokens: int) -> bool:
+        """Record a step of ``tokens`` tokens; True if the count was new."""
+        if self.capacity <= 0:
+            return False
+        tokens = int(tokens)
+        new = self._recent.pop(tokens, True) is True
+        self._recent[tokens] = None
+        if len(self._recent) > self.capacity:
+            del self._recent[next(iter(self._recent))]
+        return new
+
+    def array(self) -> np.ndarray | None:
+        if self.capacity <= 0:
+            return None
+        return np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
 
 
 def _independent(tok: np.ndarray, other: np.ndarray) -> bool:
@@ -1250,10 +1299,12 @@ class ConfidenceController(_EstimatingController):
 
 
 def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
-                       slope: float, switch: float = 0.0
+                       slope: float, switch: float = 0.0, cold: float = 0.0,
+                       warm_tokens: np.ndarray | None = None
                        ) -> tuple[np.ndarray, float, float]:
     """Per-row k maximising (B + sum_i sum_{j<k_i} q_ij) / t(N), where
-    t(N) = intercept + slope * N, plus ``switch`` when any k_i > 0.
+    t(N) = intercept + slope * N, plus ``switch`` when any k_i > 0, plus
+    ``cold`` when N is not in ``warm_tokens`` (None: every N is warm).
 
     ``q[i, j]``: probability that drafts 1..j+1 of row i are all accepted
     (non-increasing in j); ``valid`` marks offered drafts; N = sum_i (1 + k_i)
@@ -1270,6 +1321,8 @@ def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
     cum = np.concatenate([[0.0], np.cumsum(gain[order])])
     m = np.arange(len(cum))
     cost = intercept + slope * (batch + m) + np.where(m > 0, switch, 0.0)
+    if warm_tokens is not None and cold > 0:
+        cost = cost + np.where(np.isin(batch + m, warm_tokens), 0.0, cold)
     goodput = (batch + cum) / np.maximum(cost, 1e-300)
     best = int(np.argmax(goodput))
     keep = np.bincount(r_idx[order[:best]], minlength=batch).astype(np.int64)
@@ -1292,12 +1345,13 @@ class GoodputController(_EstimatingController):
     # straight on the previous one doubles, up to _REST_MAX steps.
     _REST_AFTER = 3
     _REST_MIN = 4
-    _REST_MAX = 64
+    _REST_MAX = 32
 
     def __init__(self, max_draft: int, options: dict):
         self.uses_confidence = bool(options["use_confidence"])
         super().__init__(max_draft, options)
         self.cost = StepCostModel(**options)
+        self.sizes = RecentSizes(options["shape_cache"])
         self.rng = np.random.default_rng(options["seed"])
         self._explore_cap: int | None = None
         self.explore_steps = 0
@@ -1374,14 +1428,17 @@ class GoodputController(_EstimatingController):
             self._rest_batch = batch
 
     def _observe_cost(self, ctx: StepContext) -> None:
-        if ctx.last_step_seconds is not None and ctx.requests:
-            tokens = ctx.last_step_tokens or sum(
-                (r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+        decode = sum((r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+        tokens = ctx.last_step_tokens or decode
+        cold = self.sizes.touch(tokens) if tokens else False
+        # Steps that ran prompt tokens are not the kind this rule decides on
+        # (and their many tokens would pull the line).
+        if ctx.last_step_seconds is not None and ctx.requests and tokens <= decode:
             batch = getattr(ctx, "last_step_batch_size", None) or len(ctx.requests)
             # The engine waits for the proposer as well as for the forward.
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
             verifies = any(r.num_draft > 0 for r in ctx.requests)
-            self.cost.observe(float(tokens), float(batch), float(seconds), verifies)
+            self.cost.observe(float(tokens), float(batch), float(seconds), verifies, cold)
 
     def _observe(self, ctx: StepContext) -> None:
         super()._observe(ctx)
@@ -1408,7 +1465,7 @@ class GoodputController(_EstimatingController):
             self.idle_probes += 1
 
     _TAU_TOLERANCE = 0.02
-    _IDLE_PROBE_GAP = 32   # steps: at most 1 in 32 forced to verify nothing
+    _IDLE_PROBE_GAP = 64   # steps: at most 1 in 64 forced to verify nothing
 
     def _goodput_scale(self) -> float:
         """Tokens per second of the last decision (or of no drafting at all)."""
@@ -1425,7 +1482,8 @@ class GoodputController(_EstimatingController):
             cap, self._explore_cap = self._explore_cap, None
             return np.minimum(lengths, cap)
         a, b = self.cost.line(batch)
-        keep, goodput, tokens = goodput_allocation(q, valid, a, b, self.cost.switch_s)
+        keep, goodput, tokens = goodput_allocation(
+            q, valid, a, b, self.cost.switch_s, self.cost.cold_s, self.sizes.array())
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         # A draft is worth its cost when its prefix probability exceeds

@@ -3,8 +3,8 @@
 Requests draft ``max_draft`` tokens every step; each drafted token is accepted
 with the request's current acceptance rate (which switches between regimes),
 so a request with k drafts kept emits 1 + (accepted prefix) tokens. The step
-time follows a synthetic cost curve ``a + b * tokens + c * batch`` with
-multiplicative noise, and is fed back to the controller as
+time follows a synthetic cost curve ``a + b * tokens + c * batch`` (plus
+``d`` on a step that verifies any draft) with multiplicative noise, and is fed back to the controller as
 ``ctx.last_step_seconds`` exactly as the bridge does. Nothing here needs vLLM.
 
     python -m vllm_plugins.proposers.controllers_sim      # table of scenarios
@@ -31,7 +31,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class Scenario:
     name: str
     batch: int
-    cost: tuple[float, float, float]          # a (s), b (s/token), c (s/request)
+    # a (s), b (s/token), c (s/request)[, d (s, once per step verifying drafts)]
+    cost: tuple[float, ...]
     regimes: tuple[float, ...] = (0.05, 0.5, 0.9)
     # Draft j (0-based) is accepted with probability alpha * pos_decay**j given
     # drafts before it were: 1.0 is the geometric model.
@@ -54,6 +55,10 @@ SCENARIOS = (
              regimes=(0.05, 0.3, 0.5)),
     Scenario("batch16-confidence", batch=16, cost=(0.015, 0.0003, 0.0),
              confidence="overconfident"),
+    # The CPU default's curve at batch 16 (docs/draft_length.md): 80 ms for a
+    # step without drafts, 1 ms per drafted token, 6 ms more for verifying.
+    Scenario("batch16-cpu-switch", batch=16, cost=(0.064, 0.001, 0.0, 0.006),
+             regimes=(0.1, 0.35, 0.6)),
 )
 
 
@@ -70,7 +75,8 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
     rng = np.random.default_rng(sc.seed)          # the world: same for every policy
     ids = _request_ids()
     regimes = np.asarray(sc.regimes)
-    a, b, c = sc.cost
+    a, b, c, *rest = sc.cost
+    d = rest[0] if rest else 0.0
     controller = None if policy == "oracle" else make_controller(
         policy, options or {}, sc.max_draft)
 
@@ -113,7 +119,7 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
         if controller is None:
             pos = np.arange(sc.max_draft)
             q = np.cumprod(alpha[:, None] * sc.pos_decay ** pos[None, :], axis=1)
-            keep, _, _ = goodput_allocation(q, np.ones_like(q, bool), a + c * sc.batch, b)
+            keep, _, _ = goodput_allocation(q, np.ones_like(q, bool), a + c * sc.batch, b, d)
         else:
             controller.observe(ctx)
             keep = np.asarray(controller.decide(ctx, drafts), dtype=np.int64)
@@ -124,7 +130,8 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
         m = np.minimum(run, keep)
         emitted = m + 1
         tokens = int((keep + 1).sum())
-        seconds = (a + b * tokens + c * sc.batch) * max(0.2, 1 + sc.noise * rng.normal())
+        seconds = ((a + b * tokens + c * sc.batch + (d if keep.any() else 0.0))
+                   * max(0.2, 1 + sc.noise * rng.normal()))
         gen += emitted.sum()
         exp += float((1 + (np.cumprod(cond, axis=1)
                            * (np.arange(sc.max_draft) < keep[:, None])).sum(1)).sum())

@@ -57,6 +57,29 @@ def test_spec_decode_metadata_fields():
     assert {"draft_token_ids", "num_draft_tokens"} <= names
 
 
+def test_a_step_without_drafts_can_take_the_plain_sampler():
+    """The bridge hands a step with no drafts to the plain sampler: that
+    needs max_spec_len, the plain branch of _sample, and bookkeeping that
+    tells the two outputs apart by shape alone."""
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_plugins.bridge import _verifies_nothing
+
+    none = SpecDecodeMetadata.make_dummy([[], []], torch.device("cpu"))
+    some = SpecDecodeMetadata.make_dummy([[], [5, 6]], torch.device("cpu"))
+    assert none.max_spec_len == 0 and some.max_spec_len == 2
+    assert _verifies_nothing(none) and not _verifies_nothing(some)
+    assert not _verifies_nothing(None)
+    assert len(none.logits_indices) == 2             # one row per request
+    sample = inspect.getsource(GPUModelRunner._sample)
+    assert "if spec_decode_metadata is None:\n            return self.sampler(" in sample
+    book = inspect.getsource(GPUModelRunner._bookkeeping_sync)
+    assert "max_gen_len = sampled_token_ids.shape[-1]" in book
+    assert "if max_gen_len == 1:" in book
+
+
 def test_input_batch_and_scheduler_output_fields():
     import dataclasses
 

@@ -233,6 +233,14 @@ def _patch_model_runner() -> None:
     def _sample(self, logits, spec_decode_metadata):
         if logits is not None and _is_ours(self):
             _stash_topk(self, logits, spec_decode_metadata)
+            if _verifies_nothing(spec_decode_metadata):
+                # With speculation on, vLLM sends every step through the
+                # rejection sampler, drafts or none. A step without drafts
+                # has one logits row per request, exactly what the plain
+                # sampler takes, and its [requests, 1] output is what the
+                # rejection sampler gives for no drafts: the plain path is
+                # the same step, about 1 ms cheaper at batch 16 on the CPU.
+                return original_sample(self, logits, None)
         return original_sample(self, logits, spec_decode_metadata)
 
     # GPUModelRunner.propose_draft_token_ids(self, scheduler_output,
@@ -312,6 +320,11 @@ def read_stats(worker) -> dict:
     if drafter is not None and hasattr(drafter, "metrics"):
         out["proposer"] = drafter.metrics()
     return out
+
+
+def _verifies_nothing(spec_decode_metadata) -> bool:
+    """SpecDecodeMetadata.max_spec_len: the most drafts of any request."""
+    return spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
 
 
 def _stash_topk(runner, logits: torch.Tensor, spec_decode_metadata) -> None:
