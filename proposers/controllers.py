@@ -1329,6 +1329,62 @@ def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
     return keep, float(goodput[best]), float(batch + cum[best])
 
 
+class ModeRates:
+    """Realised tokens per second of resting and of awake steps, per batch
+    size (exact up to 64, then per power of two).
+
+    The goodput rule predicts from a model of the step; this measures. Costs
+    the model does not see (the top-k extraction, the proposer's Python, a
+    kernel the runtime rebuilds for a new token count, host effects) all land
+    in the awake rate, so "rest is faster here" is read from the engine, not
+    derived. A step's seconds are its forward and sampling plus its
+    proposer's own time; its tokens are what its requests emitted.
+    """
+
+    _HALF_LIFE = 64.0     # observations of the same (mode, batch) cell
+    _CELLS = 72
+
+    def __init__(self):
+        self.tokens = np.zeros((2, self._CELLS))
+        self.seconds = np.zeros((2, self._CELLS))
+        self.count = np.zeros((2, self._CELLS))
+        # Awake steps: the tokens the rule's prediction promised in the same time.
+        self.promised = np.zeros(self._CELLS)
+        self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
+
+    @classmethod
+    def cell(cls, batch: int) -> int:
+        batch = max(int(batch), 1)
+        if batch <= 64:
+            return batch
+        return min(64 + batch.bit_length() - 6, cls._CELLS - 1)
+
+    def observe(self, resting: bool, batch: int, tokens: float, seconds: float,
+                predicted_rate: float = float("nan")) -> None:
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        m, c = int(not resting), self.cell(batch)
+        d = self._decay
+        if m == 1:
+            if not math.isfinite(predicted_rate):
+                return   # an awake step without a prediction teaches no bias
+            self.promised[c] = d * self.promised[c] + predicted_rate * seconds
+        self.tokens[m, c] = d * self.tokens[m, c] + tokens
+        self.seconds[m, c] = d * self.seconds[m, c] + seconds
+        self.count[m, c] = d * self.count[m, c] + 1.0
+
+    def bias(self, batch: int) -> float:
+        """Delivered / promised tokens of awake steps at this batch size."""
+        c = self.cell(batch)
+        return float(self.tokens[1, c] / self.promised[c]) if self.promised[c] > 0 else 1.0
+
+    def rates(self, batch: int) -> tuple[float, float, float, float]:
+        """(rest tokens/s, awake tokens/s, rest weight, awake weight)."""
+        c = self.cell(batch)
+        r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
+        return float(r[0]), float(r[1]), float(self.count[0, c]), float(self.count[1, c])
+
+
 class GoodputController(_EstimatingController):
     """SmartSpec: maximise (sum_i E[1 + accepted_i(k_i)]) / t(batch, sum_i (1 + k_i)).
 
@@ -1364,6 +1420,12 @@ class GoodputController(_EstimatingController):
         self.rest_steps = 0
         self._idle_probe_at = -self._IDLE_PROBE_GAP
         self.idle_probes = 0
+        self.modes = ModeRates()
+        self._step_record: tuple | None = None
+        self._promised = float("nan")  # predicted rate of the drafts just decided
+        self._rest_now = False        # the mode comparison says: rest from here
+        self._awake_since = 0         # step the current awake stretch began
+        self.rest_probes = 0
 
     # ----------------------------------------------------------------- rest
     @property
@@ -1371,6 +1433,8 @@ class GoodputController(_EstimatingController):
         return self._rest_left > 0
 
     def observe(self, ctx: StepContext) -> None:
+        self._record_mode(ctx)
+        was_resting = self.resting
         self.resting = False
         if self._rest_left > 0:
             self._rest_left -= 1
@@ -1378,9 +1442,32 @@ class GoodputController(_EstimatingController):
             if 2 * len(ctx.requests) > self._rest_batch:
                 self.resting = True
                 self._observe_resting(ctx)
+                self._step_record = (True, len(ctx.requests), *self._step_output(ctx),
+                                     float("nan"))
+                self._promised = float("nan")
                 return
             self._rest_left = 0
+        if was_resting:
+            self._awake_since = self.steps
+        # This step verified what the previous decision kept: its prediction.
+        self._step_record = (False, len(ctx.requests), *self._step_output(ctx),
+                             self._promised)
+        self._promised = float("nan")
         super().observe(ctx)
+
+    @staticmethod
+    def _step_output(ctx: StepContext) -> tuple[float, float]:
+        tokens = float(sum(len(r.accepted) for r in ctx.requests))
+        return tokens, float(ctx.last_step_seconds or 0.0)
+
+    def _record_mode(self, ctx: StepContext) -> None:
+        """Close the previous step's record: its proposer time arrives now."""
+        rec, self._step_record = self._step_record, None
+        if rec is None or not rec[1] or not rec[3]:
+            return
+        resting, batch, tokens, seconds, promised = rec
+        self.modes.observe(resting, batch, tokens,
+                           seconds + (ctx.last_propose_seconds or 0.0), promised)
 
     def _observe_resting(self, ctx: StepContext) -> None:
         """A resting step: bookkeeping only. No draft was verified (the step
@@ -1413,6 +1500,7 @@ class GoodputController(_EstimatingController):
         return keep
 
     def _after_decide(self, batch: int, keep: list[int]) -> None:
+        rest_now, self._rest_now = self._rest_now, False
         if any(keep):
             self._zero_run = 0
             self._rest_len = self._REST_MIN
@@ -1421,11 +1509,36 @@ class GoodputController(_EstimatingController):
         if not (offered and self.can_rest and self.options["rest"] and self.cost.warm):
             return
         self._zero_run += 1
-        if self._zero_run >= self._REST_AFTER:
+        if rest_now or self._zero_run >= self._REST_AFTER:
             self._zero_run = 0
             self._rest_left = self._rest_len
             self._rest_len = min(2 * self._rest_len, self._REST_MAX)
             self._rest_batch = batch
+
+    _MODE_EVIDENCE = 8.0     # decayed steps of each mode before they are compared
+    _REST_PROBE_GAP = 64     # awake steps before resting once to measure it
+    _REST_PROBE_GAIN = 1.1   # ... where the rule expects less than this gain
+
+    def _rest_beats_drafting(self, batch: int, goodput: float, idle: float) -> bool:
+        """Whether to rest from this step on. Resting's rate at this batch
+        size is measured; drafting's is the rule's prediction for this
+        decision times the measured ratio of delivered to promised tokens of
+        awake steps (so costs the model misses count, and a change in
+        acceptance counts at once). Unmeasured rest is tried once where the
+        rule itself expects less than a 10% gain. Never on the first awake
+        step after a rest: the cut drafts it observes are the news."""
+        if not (self.can_rest and self.options["rest"] and self.cost.warm):
+            return False
+        if self.steps - self._awake_since < 1:
+            return False
+        rest, _, n_rest, n_awake = self.modes.rates(batch)
+        if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
+            return self.modes.bias(batch) * goodput < rest
+        if (n_rest < self._MODE_EVIDENCE and goodput < self._REST_PROBE_GAIN * idle
+                and self.steps - self._awake_since >= self._REST_PROBE_GAP):
+            self.rest_probes += 1
+            return True
+        return False
 
     def _observe_cost(self, ctx: StepContext) -> None:
         decode = sum((r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
@@ -1486,6 +1599,12 @@ class GoodputController(_EstimatingController):
             q, valid, a, b, self.cost.switch_s, self.cost.cold_s, self.sizes.array())
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
+        self._promised = goodput
+        idle = batch / max(a + b * batch, 1e-12)
+        if self._rest_beats_drafting(batch, goodput, idle):
+            self._rest_now = True
+            self._promised = idle
+            return np.zeros_like(keep)
         # A draft is worth its cost when its prefix probability exceeds
         # tau = b * goodput. Probing pays off only if acceptance can beat tau:
         # never when tau >= 1; the closer tau is to 1, the rarer.
@@ -1510,6 +1629,13 @@ class GoodputController(_EstimatingController):
         out = super().stats()
         out["explore_steps"] = self.explore_steps
         out["rest_steps"] = self.rest_steps
+        out["rest_probes"] = self.rest_probes
+        r = self.modes
+        live = np.nonzero((r.count > 0).any(0))[0]
+        out["measured_rates"] = {
+            str(int(c)): [round(float(r.tokens[m, c] / r.seconds[m, c]), 2)
+                          if r.seconds[m, c] > 0 else None for m in (0, 1)]
+            for c in live}   # batch cell: [rest, awake] tokens/s
         out["idle_probes"] = self.idle_probes
         out["cost_model"] = self.cost.coefficients()
         g = self.last_expected_goodput

@@ -37,18 +37,20 @@ def test_ratio_ci_brackets_the_point_and_narrows_with_agreement():
 def test_controller_delta_subtracts_counters_and_keeps_the_curve():
     from vllm_plugins.bench.report import controller_delta, controller_markdown
 
-    before = {"policy": "goodput", "decisions": 10, "zero_choices": 2,
-              "k_histogram": [2, 3, 5], "explore_steps": 1}
-    after = {"policy": "goodput", "decisions": 30, "zero_choices": 12,
-             "k_histogram": [12, 3, 15], "explore_steps": 1,
+    before = {"policy": "goodput", "steps": 5, "decisions": 10, "zero_choices": 2,
+              "k_histogram": [2, 3, 5], "explore_steps": 1, "rest_steps": 1}
+    after = {"policy": "goodput", "steps": 25, "decisions": 30, "zero_choices": 12,
+             "k_histogram": [12, 3, 15], "explore_steps": 1, "rest_steps": 9,
              "cost_model": {"warm": True, "intercept_s": 0.05, "per_token_s": 0.002,
-                            "per_request_s": 0.001}}
+                            "per_request_s": 0.001, "verify_step_s": 0.006,
+                            "new_shape_s": 0.1}}
     d = controller_delta(before, after)
     assert d["decisions"] == 20 and d["zero_choices"] == 10
     assert d["k_histogram"] == [10, 0, 10] and d["mean_k"] == 1.0
     assert d["zero_fraction"] == 0.5 and d["explore_steps"] == 0
     md = controller_markdown([{"batch": 8, "method": "tr", **d}])
-    assert "| 8 | tr | 20 | 50.0% | 1.00 | 10 0 10 | 0 | 50.0 ms + 2.00 ms/token" in md
+    assert ("| 8 | tr | 20 | 50.0% | 1.00 | 10 0 10 | 0 | 8 / 20 | 50.0 ms + 2.00 "
+            "ms/token + 1.00 ms/request; verifying +6.0 ms, new size +100.0 ms |") in md
 
 
 def test_disjoint_sets_never_share_a_prompt():

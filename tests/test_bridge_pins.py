@@ -259,3 +259,20 @@ def test_partial_forward_touch_points():
     for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp"):
         assert f"self.{name}" in layer_src
     assert hasattr(LlamaModel, "embed_input_ids")
+
+
+def test_cpu_linears_keep_32_kernels_per_token_count():
+    """The goodput controller's ``shape_cache`` default (32) mirrors vLLM's
+    CPU linear dispatch, which builds oneDNN kernels per token count and
+    keeps 32 per layer; vllm_plugins.bench.kernel_sizes measures that cost."""
+    from vllm.model_executor.layers import utils
+
+    from vllm_plugins.bench.kernel_sizes import measure
+    from vllm_plugins.proposers.controllers import POLICY_OPTIONS
+
+    assert "ops.create_onednn_mm(origin_weight.t(), 32)" in inspect.getsource(utils)
+    assert POLICY_OPTIONS["goodput"]["shape_cache"].default == 32
+    out = measure([3, 5], in_features=8, out_features=16, cache=4, repeats=2)
+    assert [r["rows"] for r in out["per_size"]] == [3, 5]
+    assert all(r["first_us"] > 0 and r["cached_us"] > 0 for r in out["per_size"])
+    assert out["sweep_sizes"] == 12

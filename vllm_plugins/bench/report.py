@@ -145,7 +145,7 @@ def controller_delta(before: dict | None, after: dict) -> dict:
     before = before or {}
     out = {"policy": after.get("policy")}
     for key in ("steps", "decisions", "zero_choices", "no_draft", "probes",
-                "explore_steps"):
+                "explore_steps", "rest_steps", "idle_probes"):
         if key in after:
             out[key] = after[key] - before.get(key, 0)
     hist = after.get("k_histogram")
@@ -164,23 +164,28 @@ def controller_delta(before: dict | None, after: dict) -> dict:
 
 def controller_markdown(rows: list[dict]) -> str:
     """One line per (batch size, method): how often k = 0, the k histogram,
-    and the learned step-time curve t = a + b*tokens + c*batch."""
+    steps rested, and the learned step-time curve t = a + b*tokens + c*batch
+    (+ d on a step that verifies drafts, + e on a step of a new token count)."""
     lines = ["| batch | method | decisions | k = 0 | mean k | k histogram (0..K) | "
-             "explore steps | learned t(step) |",
-             "|---:|---|---:|---:|---:|---|---:|---|"]
+             "explore steps | rest steps / steps | learned t(step) |",
+             "|---:|---|---:|---:|---:|---|---:|---:|---|"]
     for r in rows:
         cm = r.get("cost_model") or {}
         if cm.get("warm"):
             curve = (f"{1e3 * cm['intercept_s']:.1f} ms + {1e3 * cm['per_token_s']:.2f} "
                      f"ms/token + {1e3 * cm['per_request_s']:.2f} ms/request")
+            if cm.get("verify_step_s") is not None:
+                curve += (f"; verifying +{1e3 * cm['verify_step_s']:.1f} ms, "
+                          f"new size +{1e3 * cm.get('new_shape_s', 0.0):.1f} ms")
         else:
             curve = "prior" if cm else ""
         zf = r.get("zero_fraction")
+        rest = (f"{r['rest_steps']} / {r.get('steps', 0)}" if "rest_steps" in r else "")
         lines.append(
             f"| {r['batch']} | {r['method']} | {r.get('decisions', 0)} | "
             f"{'' if zf is None else f'{100 * zf:.1f}%'} | {r.get('mean_k', 0):.2f} | "
             f"{' '.join(map(str, r.get('k_histogram', [])))} | "
-            f"{r.get('explore_steps', '')} | {curve} |")
+            f"{r.get('explore_steps', '')} | {rest} | {curve} |")
     return "\n".join(lines)
 
 
