@@ -1516,8 +1516,13 @@ class GoodputController(_EstimatingController):
             self._rest_batch = batch
 
     _MODE_EVIDENCE = 8.0     # decayed steps of each mode before they are compared
+    _REST_MARGIN = 0.02      # resting must measure this much faster
     _REST_PROBE_GAP = 64     # awake steps before resting once to measure it
-    _REST_PROBE_GAIN = 1.1   # ... where the rule expects less than this gain
+    # ... where the rule expects less than this gain from drafting: about
+    # what an awake step's own work costs (2% of the step at batch 1 with
+    # Token Recycling on the CPU default; a probe where drafts gain 5-10%
+    # rested through copy stretches at batch 1 and cost MAT).
+    _REST_PROBE_GAIN = 1.02
 
     def _rest_beats_drafting(self, batch: int, goodput: float, idle: float) -> bool:
         """Whether to rest from this step on. Resting's rate at this batch
@@ -1533,7 +1538,7 @@ class GoodputController(_EstimatingController):
             return False
         rest, _, n_rest, n_awake = self.modes.rates(batch)
         if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
-            return self.modes.bias(batch) * goodput < rest
+            return self.modes.bias(batch) * goodput < (1.0 - self._REST_MARGIN) * rest
         if (n_rest < self._MODE_EVIDENCE and goodput < self._REST_PROBE_GAIN * idle
                 and self.steps - self._awake_since >= self._REST_PROBE_GAP):
             self.rest_probes += 1
