@@ -26,7 +26,7 @@ import os
 
 import numpy as np
 
-from vllm_plugins.options import Option, positive_int, unit_float
+from vllm_plugins.options import GOODPUT_BY_DEFAULT, Option, positive_int, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.step_context import Drafts, StepContext
 
@@ -147,6 +147,7 @@ class RecyclingTables:
 
 class TokenRecyclingProposer(PluginProposer):
     OPTIONS = (
+        GOODPUT_BY_DEFAULT,
         positive_int("topk", 8),
         Option("context_order", 3, int, lambda v: 1 <= v <= 8, "in [1, 8]"),
         Option("context_slots", 1 << 20, int, lambda v: v >= 1024,

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_plugins.options import positive_int
+from vllm_plugins.options import GOODPUT_BY_DEFAULT, positive_int
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.step_context import Drafts, StepContext
 
 
 class AdaptiveNgramProposer(PluginProposer):
     OPTIONS = (
+        GOODPUT_BY_DEFAULT,
         positive_int("prompt_lookup_min", 2),
         positive_int("prompt_lookup_max", 5),
     )

@@ -16,7 +16,12 @@ def test_our_method_becomes_custom_class_with_options():
 def test_defaults_fill_in():
     spec, opts = translate({"method": "token_recycling"})
     assert spec["num_speculative_tokens"] == 6
-    assert opts["draft_length"] == "fixed"
+    # goodput where it was measured to beat fixed drafts (docs/benchmarks.md)
+    assert opts["draft_length"] == "goodput"
+    assert translate({"method": "ngram_adaptive"})[1]["draft_length"] == "goodput"
+    assert translate({"method": "stand"})[1]["draft_length"] == "fixed"
+    assert translate({"method": "token_recycling", "draft_length": "fixed"}
+                     )[1]["draft_length"] == "fixed"
 
 
 def test_vllm_methods_pass_through_untouched():

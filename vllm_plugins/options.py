@@ -53,10 +53,14 @@ DRAFT_LENGTH_POLICIES = ("fixed", "acceptance", "confidence", "goodput")
 
 # Options every method of ours takes.
 COMMON_OPTIONS = (
-    # "fixed" until goodput measurably beats it end to end (docs/benchmarks.md).
+    # "fixed" unless a method has measured goodput beating it end to end
+    # (then it declares GOODPUT_BY_DEFAULT; docs/benchmarks.md, issue 3).
     Option("draft_length", "fixed", str, choices=DRAFT_LENGTH_POLICIES),
     Option("draft_length_options", None, (dict, type(None))),
 )
+# Token Recycling and ngram_adaptive: goodput ties fixed drafts at batch 1
+# and is 13-27% faster at batch 8 and 16 on the CPU default.
+GOODPUT_BY_DEFAULT = Option("draft_length", "goodput", str, choices=DRAFT_LENGTH_POLICIES)
 
 
 def resolve(method: str, declared: tuple[Option, ...], given: dict[str, Any]) -> dict:
