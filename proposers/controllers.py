@@ -1519,6 +1519,11 @@ class GoodputController(_EstimatingController):
     # host moves a step by +-25% between prompts, and with 8 the comparison
     # rested through copy stretches (MAT 2.59 against 3.20 on rag).
     _MODE_EVIDENCE = 32.0
+    # Rest is probed until this much of it is measured (two short rests),
+    # not until the comparison may start: at batch 1, probing on to 32
+    # rested through copy stretches again (9 probes; MAT 1.96 against 2.40
+    # on math_reasoning).
+    _PROBE_EVIDENCE = 8.0
     _REST_MARGIN = 0.02      # resting must measure this much faster
     _REST_PROBE_GAP = 64     # awake steps before resting once to measure it
     # ... where the rule expects less than this gain from drafting: about
@@ -1544,7 +1549,7 @@ class GoodputController(_EstimatingController):
         drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
         if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
             return drafting < (1.0 - self._REST_MARGIN) * rest
-        if (n_rest < self._MODE_EVIDENCE and drafting < self._REST_PROBE_GAIN * idle
+        if (n_rest < self._PROBE_EVIDENCE and drafting < self._REST_PROBE_GAIN * idle
                 and self.steps - self._awake_since >= self._REST_PROBE_GAP):
             self.rest_probes += 1
             return True
