@@ -1388,10 +1388,12 @@ class ModeRates:
 class GoodputController(_EstimatingController):
     """SmartSpec: maximise (sum_i E[1 + accepted_i(k_i)]) / t(batch, sum_i (1 + k_i)).
 
-    With t linear in tokens and prefix probabilities non-increasing in j, the
-    greedy marginal allocation is exact: sort all candidate tokens by prefix
-    probability q_ij, and take the best prefix M of that order maximising
-    (B + sum of top M) / (a' + b (B + M)).
+    With t linear in tokens plus step-level terms (``StepCostModel``) and
+    prefix probabilities non-increasing in j, the allocation is exact: sort
+    all candidate tokens by prefix probability q_ij, and take the best count
+    M of that order (``goodput_allocation``). Where drafting does not pay,
+    a proposer that allows it rests (no top-k, no learning, no drafting),
+    decided from measured rates (``ModeRates``) as well as the model.
     """
 
     name = "goodput"
