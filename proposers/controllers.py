@@ -701,18 +701,19 @@ class StepCostModel:
         t(step) ~= a + b * tokens (+ c * batch) (+ d * verifies) (+ e * cold),
                    a..e >= 0
 
-    Two step-level terms, both measured on the CPU default at batch 16
-    (docs/draft_length.md), where a step without drafts takes about 80 ms:
+    Two step-level terms (docs/draft_length.md):
 
-    - ``verifies`` is 1 for a step that verified at least one draft: such a
-      step costs about 6 ms more than the line through steps with more
-      drafts predicts.
+    - ``verifies`` is 1 for a step that verified at least one draft: vLLM's
+      speculative path costs a fixed extra beyond the line through steps
+      with drafts (fitted 0 to 8.6 ms on the CPU default's 80 ms batch-16
+      step in the issue-3 benchmark).
     - ``cold`` is 1 for a step whose token count was not among the last
       ``shape_cache`` distinct counts. vLLM's CPU linear layers build a
-      oneDNN kernel per token count and keep 32 per layer; a step with a new
-      count paid about 100 ms more. A rule blind to this spreads the step's
-      token count over many values and pays it again and again (a GPU with
-      CUDA graphs has the same kind of cost for sizes off its captured set).
+      oneDNN kernel per token count and keep 32 per layer
+      (``python -m vllm_plugins.bench.kernel_sizes`` measures a first call
+      against a cached one). A rule blind to this spreads the step's token
+      count over many values and pays it again and again (a GPU with CUDA
+      graphs has the same kind of cost for sizes off its captured set).
 
     Fitted by least squares over the last ``window`` (tokens, batch,
     verifies, cold, seconds) observations (a ring buffer), with one round of
@@ -720,8 +721,8 @@ class StepCostModel:
     constraint (the best non-negative subset fit). ``batch`` is dropped when
     it does not vary independently of ``tokens`` in the window; ``verifies``
     and ``cold`` while fewer than ``_MIN_MODE_STEPS`` steps of either kind
-    are in it (``cold`` then keeps its last estimate: it is a property of
-    the runtime, and once the rule avoids cold steps they become rare).
+    are in it (each then keeps its last estimate: it is a property of the
+    runtime, and once the rule avoids such steps they become rare).
     Before ``warmup`` observations with at least two distinct token counts,
     the prior is used:
 
@@ -1384,6 +1385,15 @@ class ModeRates:
         r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
         return float(r[0]), float(r[1]), float(self.count[0, c]), float(self.count[1, c])
 
+    def table(self) -> dict[str, list[float | None]]:
+        """Measured cells: {batch cell: [rest tokens/s, awake tokens/s]}."""
+        out = {}
+        for c in np.nonzero((self.count > 0).any(0))[0]:
+            r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
+            out[str(int(c))] = [round(float(r[m]), 2) if self.seconds[m, c] > 0 else None
+                                for m in (0, 1)]
+        return out
+
 
 class GoodputController(_EstimatingController):
     """SmartSpec: maximise (sum_i E[1 + accepted_i(k_i)]) / t(batch, sum_i (1 + k_i)).
@@ -1501,6 +1511,10 @@ class GoodputController(_EstimatingController):
         self._after_decide(len(drafts.tokens), keep)
         return keep
 
+    @property
+    def _may_rest(self) -> bool:
+        return self.can_rest and self.options["rest"] and self.cost.warm
+
     def _after_decide(self, batch: int, keep: list[int]) -> None:
         rest_now, self._rest_now = self._rest_now, False
         if any(keep):
@@ -1508,7 +1522,7 @@ class GoodputController(_EstimatingController):
             self._rest_len = self._REST_MIN
             return
         offered = self._bound_mask.any() or self.last_offered
-        if not (offered and self.can_rest and self.options["rest"] and self.cost.warm):
+        if not (offered and self._may_rest):
             return
         self._zero_run += 1
         if rest_now or self._zero_run >= self._REST_AFTER:
@@ -1543,9 +1557,7 @@ class GoodputController(_EstimatingController):
         corrected prediction gains less than 2% over the model's idle step.
         Never on the first awake step after a rest: the cut drafts it
         observes are the news."""
-        if not (self.can_rest and self.options["rest"] and self.cost.warm):
-            return False
-        if self.steps - self._awake_since < 1:
+        if not self._may_rest or self.steps - self._awake_since < 1:
             return False
         rest, _, n_rest, n_awake = self.modes.rates(batch)
         drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
@@ -1602,8 +1614,13 @@ class GoodputController(_EstimatingController):
         g = self.last_expected_goodput
         if math.isfinite(g):
             return g
-        a, b = self.cost.line(self._batch_hint)
-        return self._batch_hint / max(a + b * self._batch_hint, 1e-12)
+        return self._idle_goodput(self._batch_hint)
+
+    def _idle_goodput(self, batch: int) -> float:
+        """The model's tokens per second of a step of ``batch`` requests
+        that keeps no draft: B / t(B)."""
+        a, b = self.cost.line(batch)
+        return batch / max(a + b * batch, 1e-12)
 
     def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
         batch = len(lengths)
@@ -1617,7 +1634,7 @@ class GoodputController(_EstimatingController):
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         self._promised = goodput
-        idle = batch / max(a + b * batch, 1e-12)
+        idle = self._idle_goodput(batch)
         if self._rest_beats_drafting(batch, goodput, idle):
             self._rest_now = True
             self._promised = idle
@@ -1638,21 +1655,14 @@ class GoodputController(_EstimatingController):
         # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
         # a bound from history at (half) the last batch size.
         batch = max(1, self._batch_hint // 2)
-        a, b = self.cost.line(batch)
-        g0 = batch / max(a + b * batch, 1e-12)
-        return self._history_bound(slot, b * g0)
+        return self._history_bound(slot, self.cost.line(batch)[1] * self._idle_goodput(batch))
 
     def stats(self) -> dict:
         out = super().stats()
         out["explore_steps"] = self.explore_steps
         out["rest_steps"] = self.rest_steps
         out["rest_probes"] = self.rest_probes
-        r = self.modes
-        live = np.nonzero((r.count > 0).any(0))[0]
-        out["measured_rates"] = {
-            str(int(c)): [round(float(r.tokens[m, c] / r.seconds[m, c]), 2)
-                          if r.seconds[m, c] > 0 else None for m in (0, 1)]
-            for c in live}   # batch cell: [rest, awake] tokens/s
+        out["measured_rates"] = self.modes.table()
         out["idle_probes"] = self.idle_probes
         out["cost_model"] = self.cost.coefficients()
         g = self.last_expected_goodput

@@ -4,7 +4,8 @@ Requests draft ``max_draft`` tokens every step; each drafted token is accepted
 with the request's current acceptance rate (which switches between regimes),
 so a request with k drafts kept emits 1 + (accepted prefix) tokens. The step
 time follows a synthetic cost curve ``a + b * tokens + c * batch`` (plus
-``d`` on a step that verifies any draft) with multiplicative noise, and is fed back to the controller as
+``d`` on a step that verifies any draft) with multiplicative noise, and is
+fed back to the controller as
 ``ctx.last_step_seconds`` exactly as the bridge does. Nothing here needs vLLM.
 
     python -m vllm_plugins.proposers.controllers_sim      # table of scenarios
@@ -55,8 +56,8 @@ SCENARIOS = (
              regimes=(0.05, 0.3, 0.5)),
     Scenario("batch16-confidence", batch=16, cost=(0.015, 0.0003, 0.0),
              confidence="overconfident"),
-    # The CPU default's curve at batch 16 (docs/draft_length.md): 80 ms for a
-    # step without drafts, 1 ms per drafted token, 6 ms more for verifying.
+    # A CPU-like curve at batch 16: 80 ms for a step without drafts, 1 ms
+    # per drafted token, 6 ms more for a step that verifies any draft.
     Scenario("batch16-cpu-switch", batch=16, cost=(0.064, 0.001, 0.0, 0.006),
              regimes=(0.1, 0.35, 0.6)),
 )
