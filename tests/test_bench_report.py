@@ -116,7 +116,7 @@ def test_cli_runs_every_batch_size_with_fake_engines(tmp_path, monkeypatch):
             "policy": "goodput", "decisions": 10 * n, "zero_choices": 3 * n,
             "k_histogram": [3 * n, 7 * n], "cost_model": {"warm": False}}}}
 
-    def fake_run(llm, prompts, params):
+    def fake_run(llm, prompts, params, in_flight=None):
         llm.calls += 1
         res = [engines.RequestResult([7] * 4, 2 if llm.spec else 4) for _ in prompts]
         return res, 0.1 * len(prompts) * (0.5 if llm.spec else 1.0)
@@ -142,6 +142,55 @@ def test_cli_runs_every_batch_size_with_fake_engines(tmp_path, monkeypatch):
     assert {r["batch"] for r in rows} == {1, 2} and all(r["MAT"] == 2.0 for r in rows)
 
 
+class _QueueEngine:
+    """An LLMEngine stand-in: request i needs len(prompt_i) steps, one token
+    each; records how many ran at once."""
+
+    def __init__(self):
+        self.left, self.widths, self.order = {}, [], []
+
+    def add_request(self, rid, prompt, params):
+        self.left[rid] = len(prompt["prompt_token_ids"])
+        self.order.append(rid)
+
+    def has_unfinished_requests(self):
+        return bool(self.left)
+
+    def step(self):
+        from types import SimpleNamespace as NS
+
+        self.widths.append(len(self.left))
+        outs = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            if done:
+                del self.left[rid]
+            outs.append(NS(request_id=rid, finished=done,
+                           outputs=[NS(token_ids=[len(self.order)])]))
+        return outs
+
+
+def test_run_batch_keeps_the_batch_full_from_the_queue():
+    from types import SimpleNamespace as NS
+
+    from vllm import SamplingParams
+
+    from vllm_plugins.bench.engines import run_batch
+
+    prompts = [[0] * n for n in (1, 3, 2, 2, 1)]   # steps each request needs
+    engine = _QueueEngine()
+    res, _ = run_batch(NS(llm_engine=engine), prompts, SamplingParams(), in_flight=2)
+    # a finished request is replaced before the next step: 2 in flight until
+    # the queue is empty, in prompt order
+    assert engine.widths == [2, 2, 2, 2, 1]
+    assert [len(r.token_ids) for r in res] == [1, 3, 2, 2, 1]
+    assert all(r.forwards == len(r.token_ids) for r in res)
+    static = _QueueEngine()
+    run_batch(NS(llm_engine=static), prompts, SamplingParams())
+    assert static.widths == [5, 3, 1]   # all at once, draining
+
+
 def test_wide_markdown_one_line_per_category():
     from vllm_plugins.bench.report import wide_markdown
 
@@ -159,3 +208,13 @@ def test_markdown_says_when_nothing_was_compared():
     row = {"category": "qa", "method": "tr", "MAT": 2.0, "acceptance": None,
            "tok/s": 5.0, "speedup": None, "mismatches": None, "requests": 3}
     assert markdown([row]).splitlines()[-1] == "| qa | tr | 2.00 |  | 5.0 |  | - |"
+
+
+def test_queue_units_are_even_and_static_batches_unchanged():
+    from vllm_plugins.bench.cli import _units
+
+    units, in_flight = _units(list(range(76)), 16, 2)
+    assert in_flight == 16 and [len(u) for u in units] == [25, 25, 26]
+    assert sum(units, []) == list(range(76))
+    units, in_flight = _units(list(range(26)), 16, 1)
+    assert in_flight is None and [len(u) for u in units] == [16, 10]

@@ -48,6 +48,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=None, help="one batch size")
     p.add_argument("--batch-sizes", type=_int_list, default=None,
                    help="comma list, e.g. 1,8,16: engines are built once and reused")
+    p.add_argument("--queue", type=int, default=1, metavar="K",
+                   help="with K > 1, each measured unit is K x batch-size prompts "
+                        "run with at most batch-size in flight, a finished "
+                        "request replaced at once (a server at that concurrency); "
+                        "1: static batches that drain as requests finish")
     p.add_argument("--aa", action="store_true",
                    help=f"run no speculation twice per batch ('{RERUN}'): "
                         "the A/A spread measures the host's noise")
@@ -68,14 +73,17 @@ def parse_args(argv=None):
     if per is not None and len(per) not in (1, len(args.batch_sizes)):
         p.error(f"--per-category has {len(per)} counts for "
                 f"{len(args.batch_sizes)} batch sizes")
+    if args.queue < 1:
+        p.error(f"--queue must be >= 1, got {args.queue}")
     if args.mat_only and args.aa:
         p.error("--aa needs the no-speculation engine; drop --mat-only")
     return args
 
 
 def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
-                    batch_times=None):
-    """One batch on every engine, rotating which goes first.
+                    batch_times=None, in_flight=None):
+    """One batch (or queue unit, with ``in_flight``) on every engine,
+    rotating which goes first.
 
     ``runs`` are labels; RERUN runs on the "none" engine again. Per-batch
     seconds go to ``batch_times[label]`` for the paired noise intervals.
@@ -95,7 +103,7 @@ def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
             reset = getattr(engine, "reset_prefix_cache", None)
             if reset is not None:
                 reset()
-        results[m] = run_batch(engine, prompts, params)
+        results[m] = run_batch(engine, prompts, params, in_flight)
     ref = results["none"][0] if "none" in results else None
     for m in runs:
         res, secs = results[m]
@@ -179,12 +187,12 @@ def main(argv=None) -> int:
     all_rows, summary, controllers, loads = [], [], [], {}
     for size, questions in zip(sizes, sets):
         tally, times = Tally(), {}
-        batches = [questions[i:i + size] for i in range(0, len(questions), size)]
+        batches, in_flight = _units(questions, size, args.queue)
         loads[size] = [_host_load()]
         try:
             for bi, batch in enumerate(tqdm(batches, desc=f"batch {size}")):
                 run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
-                                times)
+                                times, in_flight)
         except Exception as e:  # report what was measured before the failure
             print(f"benchmark stopped early: {type(e).__name__}: {e}")
             print(markdown(tally.table(runs, list(dict.fromkeys(
@@ -210,7 +218,7 @@ def main(argv=None) -> int:
                 controllers.append({"batch": size, "method": m,
                                     **controller_delta(before[m], now)})
                 before[m] = now
-        heading = title(model, f"batch={size} T={args.temperature} "
+        heading = title(model, f"batch={size}{_queue_note(args)} T={args.temperature} "
                                f"max_tokens={args.max_tokens}")
         write(args.out, f"bench_b{size}" if len(sizes) > 1 else "bench", rows,
               heading, {"args": vars(args), "engine_stats": stats,
@@ -220,6 +228,23 @@ def main(argv=None) -> int:
     elif controllers:
         print(controller_markdown(controllers))
     return 0
+
+
+def _units(questions: list, size: int, queue: int) -> tuple[list[list], int | None]:
+    """Measured units of prompts and how many run at once (None: all).
+
+    Static batches are ``size`` prompts each. Queue units hold about
+    ``queue`` x ``size`` prompts, split evenly so that no unit is a short
+    remainder that never fills the batch."""
+    if queue <= 1:
+        return [questions[i:i + size] for i in range(0, len(questions), size)], None
+    n = max(1, -(-len(questions) // (size * queue)))
+    cuts = [len(questions) * i // n for i in range(n + 1)]
+    return [questions[a:b] for a, b in zip(cuts, cuts[1:])], size
+
+
+def _queue_note(args) -> str:
+    return f" in flight (queue x{args.queue})" if args.queue > 1 else ""
 
 
 def _write_summary(args, model, rows, summary, controllers, loads) -> None:
@@ -243,8 +268,8 @@ def _write_summary(args, model, rows, summary, controllers, loads) -> None:
     table = "\n".join(lines)
     ctl = controller_markdown(controllers) if controllers else ""
     load = "\n".join(f"batch {k}: start {v[0]}, end {v[-1]}" for k, v in loads.items())
-    heading = title(model, f"batch sizes={args.batch_sizes} T={args.temperature} "
-                           f"max_tokens={args.max_tokens}")
+    heading = title(model, f"batch sizes={args.batch_sizes}{_queue_note(args)} "
+                           f"T={args.temperature} max_tokens={args.max_tokens}")
     text = f"{heading}\n\n{table}\n\n{ctl}\n\n{load}\n"
     print("\n" + text)
     out = Path(args.out)

@@ -57,9 +57,18 @@ class RequestResult:
     forwards: int
 
 
-def run_batch(llm, prompts: list[list[int]], params, abort_after: dict | None = None
+def run_batch(llm, prompts: list[list[int]], params, in_flight: int | None = None
               ) -> tuple[list[RequestResult], float]:
-    """Generate all prompts at once; returns per-request results and seconds."""
+    """Generate ``prompts``; returns per-request results (in prompt order) and
+    seconds.
+
+    By default all prompts start at once and the batch drains as requests
+    finish (a static batch: its last steps run fewer requests). With
+    ``in_flight`` = B, at most B requests run and each one that finishes is
+    replaced at once from the queue, as a server at concurrency B keeps its
+    batch full: then a request that speculation finishes early makes room
+    for the next, where in a static batch it only shrinks the batch.
+    """
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm_engine
@@ -68,21 +77,31 @@ def run_batch(llm, prompts: list[list[int]], params, abort_after: dict | None = 
     ids = [f"b{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     tokens = {r: [] for r in ids}
     forwards = {r: 0 for r in ids}
+    queue = list(zip(ids, prompts))[::-1]
+    limit = len(queue) if in_flight is None else max(int(in_flight), 1)
+    running = 0
+
+    def admit():
+        nonlocal running
+        while queue and running < limit:
+            rid, p = queue.pop()
+            engine.add_request(rid, {"prompt_token_ids": p}, params)
+            running += 1
+
     start = time.perf_counter()
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, {"prompt_token_ids": p}, params)
-    steps = 0
-    while engine.has_unfinished_requests():
+    while True:
+        if not engine.has_unfinished_requests():
+            running = 0
+        admit()
+        if not engine.has_unfinished_requests():
+            break
         for out in engine.step():
             new = out.outputs[0].token_ids if out.outputs else []
             if new:
                 tokens[out.request_id].extend(new)
                 forwards[out.request_id] += 1
-        steps += 1
-        if abort_after:
-            due = [r for r, s in abort_after.items() if s == steps]
-            if due:
-                engine.abort_request([ids[i] for i in due])
+            if out.finished:
+                running -= 1
     seconds = time.perf_counter() - start
     return [RequestResult(tokens[r], forwards[r]) for r in ids], seconds
 
