@@ -218,3 +218,5 @@ def test_queue_units_are_even_and_static_batches_unchanged():
     assert sum(units, []) == list(range(76))
     units, in_flight = _units(list(range(26)), 16, 1)
     assert in_flight is None and [len(u) for u in units] == [16, 10]
+    units, in_flight = _units(list(range(5)), 1, 2)
+    assert in_flight is None and [len(u) for u in units] == [1] * 5

@@ -235,8 +235,10 @@ def _units(questions: list, size: int, queue: int) -> tuple[list[list], int | No
 
     Static batches are ``size`` prompts each. Queue units hold about
     ``queue`` x ``size`` prompts, split evenly so that no unit is a short
-    remainder that never fills the batch."""
-    if queue <= 1:
+    remainder that never fills the batch. At batch size 1 a queue changes
+    nothing but which prompts share a unit, so units stay single prompts
+    (and each category keeps its own speedup)."""
+    if queue <= 1 or size <= 1:
         return [questions[i:i + size] for i in range(0, len(questions), size)], None
     n = max(1, -(-len(questions) // (size * queue)))
     cuts = [len(questions) * i // n for i in range(n + 1)]
