@@ -258,7 +258,8 @@ def _write_summary(args, model, rows, summary, controllers, loads) -> None:
     from vllm_plugins.bench.report import (controller_markdown, speedup_plot,
                                            title)
 
-    lines = ["| batch | method | MAT | speedup | 95% interval | batches |",
+    unit = "units" if args.queue > 1 else "batches"
+    lines = [f"| batch | method | MAT | speedup | 95% interval | {unit} |",
              "|---:|---|---:|---:|---|---:|"]
     mats = {(r["batch"], r["method"]): r["MAT"] for r in rows
             if r["category"] == "overall"}
