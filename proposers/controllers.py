@@ -705,8 +705,8 @@ class StepCostModel:
 
     - ``verifies`` is 1 for a step that verified at least one draft: vLLM's
       speculative path costs a fixed extra beyond the line through steps
-      with drafts (fitted 0 to 8.6 ms on the CPU default's 80 ms batch-16
-      step in the issue-3 benchmark).
+      with drafts (fitted between 0 and 28 ms in the issue-3 benchmark
+      runs on the CPU default: the controller tables of docs/benchmarks.md).
     - ``cold`` is 1 for a step whose token count was not among the last
       ``shape_cache`` distinct counts. vLLM's CPU linear layers build a
       oneDNN kernel per token count and keep 32 per layer
