@@ -452,8 +452,13 @@ class AcceptanceEstimator:
         A = np.cumsum(np.take_along_axis(acc, order, 1), 1)
         F = np.cumsum(np.take_along_axis(rej, order, 1), 1)
         steps = np.cumsum(np.take_along_axis(valid, order, 1), 1)
-        log_bf = (_log_beta(1.0 + A, 1.0 + F)
-                  - _log_beta(a0 + A, b0 + F) + _log_beta(a0, b0))
+        # The nine log-Gamma terms of the three log-Betas in one call.
+        shape = A.shape
+        a0w, b0w = np.broadcast_to(a0, shape), np.broadcast_to(b0, shape)
+        lg = _lgamma(np.stack([1.0 + A, 1.0 + F, (1.0 + A) + (1.0 + F),
+                               a0w + A, b0w + F, (a0w + A) + (b0w + F),
+                               a0w, b0w, a0w + b0w]))
+        log_bf = ((lg[0] + lg[1] - lg[2]) - (lg[3] + lg[4] - lg[5]) + (lg[6] + lg[7] - lg[8]))
         log_bf = np.where(steps >= 2, log_bf, -np.inf)
         log_bf[:, 0] = -np.inf                          # one step is a fluke
         best = np.argmax(log_bf, axis=1)
@@ -485,10 +490,6 @@ def _lgamma(x: np.ndarray) -> np.ndarray:
     inv2 = inv * inv
     series = inv * (1 / 12 - inv2 * (1 / 360 - inv2 * (1 / 1260 - inv2 / 1680)))
     return (z - 0.5) * np.log(z) - z + 0.5 * math.log(2 * math.pi) + series - shift
-
-
-def _log_beta(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return _lgamma(a) + _lgamma(b) - _lgamma(a + b)
 
 
 class ConfidenceCalibrator:
@@ -956,6 +957,7 @@ class DraftLengthController:
         self.hist = np.zeros(self.max_draft + 1, dtype=np.int64)
         self._zero_bound: set[str] = set()   # max_length() returned 0 this step
         self._bound_mask = np.zeros(0, dtype=bool)
+        self._bounds: dict[str, int] | None = None   # this step's max_length per request
 
     # -------------------------------------------------------------- public
     def observe(self, ctx: StepContext) -> None:
@@ -963,6 +965,7 @@ class DraftLengthController:
             self.free(rid)
         self.steps += 1
         self._observe(ctx)
+        self._bounds = self._step_bounds(ctx)
 
     def decide(self, ctx: StepContext, drafts: Drafts) -> list[int]:
         lengths = np.fromiter((min(len(t), self.max_draft) for t in drafts.tokens),
@@ -993,6 +996,12 @@ class DraftLengthController:
     def max_length(self, req_id: str) -> int:
         """Upper bound on what ``decide`` will keep for this request this step."""
         return self.max_draft
+
+    def _step_bounds(self, ctx: StepContext) -> dict[str, int] | None:
+        """``max_length`` of every request of the step, all at once (None:
+        ask per request). Drafting asks once per request; at batch 16 the
+        scalar path was a quarter of the controller's time."""
+        return None
 
     def free(self, req_id: str) -> None:
         self.slots.release(req_id)
@@ -1138,7 +1147,11 @@ class _EstimatingController(DraftLengthController):
 
     def _position_probs(self, rows: np.ndarray, drafts: Drafts,
                         width: int) -> tuple[np.ndarray, np.ndarray | None]:
-        p = self.estimator.probs(rows)[:, :width]
+        cached, self._probs_for = getattr(self, "_probs_for", None), None
+        if cached is not None and cached[0] is rows:
+            p = cached[1][:, :width]   # the estimate has not moved since observe
+        else:
+            p = self.estimator.probs(rows)[:, :width]
         conf = self._confidence_matrix(drafts, width)
         if conf is not None:
             cal = self.calibrator.calibrate(rows, conf)
@@ -1235,7 +1248,37 @@ class _EstimatingController(DraftLengthController):
         q = np.cumprod(self.estimator.probs(np.array([slot]))[0])
         return int((q > threshold).sum())
 
+    def _history_bounds(self, probs: np.ndarray, threshold: float) -> np.ndarray:
+        """``_history_bound`` of many rows from their probabilities."""
+        return (np.cumprod(probs, axis=1) > threshold).sum(1)
+
+    def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
+        """``_length_bound`` of many rows from their probabilities."""
+        return np.full(len(probs), self.max_draft, dtype=np.int64)
+
+    def _step_bounds(self, ctx: StepContext) -> dict[str, int] | None:
+        cached = getattr(self, "_rows_for", None)
+        if not ctx.requests or cached is None or cached[0] is not ctx:
+            return None
+        rows = cached[1]
+        probs = self.estimator.probs(rows)
+        self._probs_for = (rows, probs)   # decide() on this step reuses them
+        bound = self._length_bounds(probs)
+        if self.probe_interval > 0 and self._probe_scale > 0:
+            due = self.slots.arrays["zero_streak"][rows] >= self._probe_gap(rows)
+            bound = np.where(due, np.maximum(bound, 1), bound)
+        bound = np.clip(bound, 0, self.max_draft)
+        if self.calibrator is not None:
+            bound = np.where(self.slots.arrays["conf_seen"][rows], self.max_draft, bound)
+        return dict(zip((r.req_id for r in ctx.requests), bound.tolist()))
+
     def max_length(self, req_id: str) -> int:
+        bounds = self._bounds
+        if bounds is not None and req_id in bounds:
+            bound = bounds[req_id]
+            if bound == 0:
+                self._zero_bound.add(req_id)
+            return bound
         slot = self.slots.get(req_id)
         if slot is None:
             return self.max_draft
@@ -1285,6 +1328,9 @@ class AcceptanceController(_EstimatingController):
     def _length_bound(self, slot: int) -> int:
         return self._history_bound(slot, self.options["min_prob"] - 1e-12)
 
+    def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
+        return self._history_bounds(probs, self.options["min_prob"] - 1e-12)
+
 
 class ConfidenceController(_EstimatingController):
     """Keep drafting while P(all kept drafts accepted) >= ``threshold``."""
@@ -1297,6 +1343,9 @@ class ConfidenceController(_EstimatingController):
 
     def _length_bound(self, slot: int) -> int:
         return self._history_bound(slot, self.options["threshold"] - 1e-12)
+
+    def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
+        return self._history_bounds(probs, self.options["threshold"] - 1e-12)
 
 
 def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
@@ -1351,6 +1400,12 @@ class ModeRates:
         self.count = np.zeros((2, self._CELLS))
         # Awake steps: the tokens the rule's prediction promised in the same time.
         self.promised = np.zeros(self._CELLS)
+        # Awake steps: accepted drafts, and what the rule expected of them.
+        self.accepted = np.zeros(self._CELLS)
+        self.expected = np.zeros(self._CELLS)
+        # Our own seconds per step (top-k extraction and proposer), per mode.
+        self.own = np.zeros((2, self._CELLS))
+        self.own_count = np.zeros((2, self._CELLS))
         self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
 
     @classmethod
@@ -1361,15 +1416,25 @@ class ModeRates:
         return min(64 + batch.bit_length() - 6, cls._CELLS - 1)
 
     def observe(self, resting: bool, batch: int, tokens: float, seconds: float,
-                predicted_rate: float = float("nan")) -> None:
-        if not (seconds > 0 and math.isfinite(seconds)):
-            return
+                predicted_rate: float = float("nan"), own_seconds: float = float("nan"),
+                accepted: float = float("nan"), expected: float = float("nan")) -> None:
+        """One step: its tokens and seconds (ours included); ``own_seconds``
+        of them spent on our work; on an awake step, the rule's predicted
+        rate and its accepted drafts against the rule's expectation."""
         m, c = int(not resting), self.cell(batch)
         d = self._decay
+        if own_seconds >= 0 and math.isfinite(own_seconds):
+            self.own[m, c] = d * self.own[m, c] + own_seconds
+            self.own_count[m, c] = d * self.own_count[m, c] + 1.0
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
         if m == 1:
             if not math.isfinite(predicted_rate):
                 return   # an awake step without a prediction teaches no bias
             self.promised[c] = d * self.promised[c] + predicted_rate * seconds
+            if math.isfinite(accepted) and math.isfinite(expected):
+                self.accepted[c] = d * self.accepted[c] + accepted
+                self.expected[c] = d * self.expected[c] + expected
         self.tokens[m, c] = d * self.tokens[m, c] + tokens
         self.seconds[m, c] = d * self.seconds[m, c] + seconds
         self.count[m, c] = d * self.count[m, c] + 1.0
@@ -1378,6 +1443,20 @@ class ModeRates:
         """Delivered / promised tokens of awake steps at this batch size."""
         c = self.cell(batch)
         return float(self.tokens[1, c] / self.promised[c]) if self.promised[c] > 0 else 1.0
+
+    def draft_bias(self, batch: int) -> float:
+        """Accepted / expected drafts of awake steps at this batch size."""
+        c = self.cell(batch)
+        return float(self.accepted[c] / self.expected[c]) if self.expected[c] > 0 else 1.0
+
+    def own_seconds(self, batch: int) -> tuple[float, float] | None:
+        """(resting, awake) seconds of our own work per step at this batch
+        size; None until an awake step is timed here."""
+        c = self.cell(batch)
+        if self.own_count[1, c] <= 0:
+            return None
+        rest = self.own[0, c] / self.own_count[0, c] if self.own_count[0, c] > 0 else 0.0
+        return float(rest), float(self.own[1, c] / self.own_count[1, c])
 
     def rates(self, batch: int) -> tuple[float, float, float, float]:
         """(rest tokens/s, awake tokens/s, rest weight, awake weight)."""
@@ -1392,6 +1471,14 @@ class ModeRates:
             r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
             out[str(int(c))] = [round(float(r[m]), 2) if self.seconds[m, c] > 0 else None
                                 for m in (0, 1)]
+        return out
+
+    def own_table(self) -> dict[str, list[float | None]]:
+        """Timed cells: {batch cell: [resting, awake] ms of our work per step}."""
+        out = {}
+        for c in np.nonzero((self.own_count > 0).any(0))[0]:
+            out[str(int(c))] = [round(1e3 * float(self.own[m, c] / self.own_count[m, c]), 3)
+                                if self.own_count[m, c] > 0 else None for m in (0, 1)]
         return out
 
 
@@ -1435,6 +1522,7 @@ class GoodputController(_EstimatingController):
         self.modes = ModeRates()
         self._step_record: tuple | None = None
         self._promised = float("nan")  # predicted rate of the drafts just decided
+        self._expected_drafts = float("nan")   # ... and their expected accepted count
         self._rest_now = False        # the mode comparison says: rest from here
         self._awake_since = 0         # step the current awake stretch began
         self.rest_probes = 0
@@ -1453,33 +1541,40 @@ class GoodputController(_EstimatingController):
             # Half the batch gone changes what a draft is worth: decide again.
             if 2 * len(ctx.requests) > self._rest_batch:
                 self.resting = True
+                self._bounds = None
                 self._observe_resting(ctx)
                 self._step_record = (True, len(ctx.requests), *self._step_output(ctx),
-                                     float("nan"))
-                self._promised = float("nan")
+                                     float("nan"), float("nan"), ctx.last_topk_seconds)
+                self._promised = self._expected_drafts = float("nan")
                 return
             self._rest_left = 0
         if was_resting:
             self._awake_since = self.steps
         # This step verified what the previous decision kept: its prediction.
         self._step_record = (False, len(ctx.requests), *self._step_output(ctx),
-                             self._promised)
-        self._promised = float("nan")
+                             self._promised, self._expected_drafts, ctx.last_topk_seconds)
+        self._promised = self._expected_drafts = float("nan")
         super().observe(ctx)
 
     @staticmethod
-    def _step_output(ctx: StepContext) -> tuple[float, float]:
+    def _step_output(ctx: StepContext) -> tuple[float, float, float]:
+        """(tokens emitted, accepted drafts, engine seconds) of the step."""
         tokens = float(sum(len(r.accepted) for r in ctx.requests))
-        return tokens, float(ctx.last_step_seconds or 0.0)
+        accepted = float(sum(r.num_accepted_drafts for r in ctx.requests))
+        return tokens, accepted, float(ctx.last_step_seconds or 0.0)
 
     def _record_mode(self, ctx: StepContext) -> None:
-        """Close the previous step's record: its proposer time arrives now."""
+        """Close the previous step's record: its proposer time arrives now.
+        Our own work in it: the top-k extraction of its forward, and the
+        proposer call that followed."""
         rec, self._step_record = self._step_record, None
-        if rec is None or not rec[1] or not rec[3]:
+        if rec is None or not rec[1]:
             return
-        resting, batch, tokens, seconds, promised = rec
-        self.modes.observe(resting, batch, tokens,
-                           seconds + (ctx.last_propose_seconds or 0.0), promised)
+        resting, batch, tokens, accepted, seconds, promised, expected, topk = rec
+        propose = ctx.last_propose_seconds
+        own = float("nan") if propose is None else propose + (topk or 0.0)
+        self.modes.observe(resting, batch, tokens, seconds + (propose or 0.0), promised,
+                           own_seconds=own, accepted=accepted, expected=expected)
 
     def _observe_resting(self, ctx: StepContext) -> None:
         """A resting step: bookkeeping only. No draft was verified (the step
@@ -1548,17 +1643,31 @@ class GoodputController(_EstimatingController):
     # rested through copy stretches at batch 1 and cost MAT).
     _REST_PROBE_GAIN = 1.02
 
-    def _rest_beats_drafting(self, batch: int, goodput: float, idle: float) -> bool:
-        """Whether to rest from this step on. Resting's rate at this batch
-        size is measured; drafting's is the rule's prediction for this
-        decision times the measured ratio of delivered to promised tokens of
-        awake steps (so costs the model misses count, and a change in
-        acceptance counts at once). Unmeasured rest is tried once where the
-        corrected prediction gains less than 2% over the model's idle step.
-        Never on the first awake step after a rest: the cut drafts it
-        observes are the news."""
+    def _rest_beats_drafting(self, batch: int, goodput: float, idle: float,
+                             tokens: float = float("nan"),
+                             rest_goodput: float | None = None) -> bool:
+        """Whether to rest from this step on. Never on the first awake step
+        after a rest: the cut drafts it observes are the news. Two readings:
+
+        - predicted: where our own work is timed at this batch size
+          (``rest_goodput`` given), the rule's decision (``tokens`` expected
+          in 1 / ``goodput`` seconds, our work included) with its expected
+          drafts scaled by the measured ratio of accepted to expected ones,
+          against B requests in a step of the model's idle time plus a
+          resting step's own work. Acts from the first timed step.
+        - measured: resting's rate at this batch size is measured; drafting's
+          is the rule's prediction times the measured ratio of delivered to
+          promised tokens of awake steps (so costs that nobody times count
+          too). Unmeasured rest is tried once where the corrected prediction
+          gains less than 2% over the idle step of an awake step.
+        """
         if not self._may_rest or self.steps - self._awake_since < 1:
             return False
+        if rest_goodput is not None and math.isfinite(tokens) and goodput > 0:
+            drafts = self.modes.draft_bias(batch) * max(tokens - batch, 0.0)
+            predicted = (batch + drafts) * goodput / tokens
+            if predicted < (1.0 - self._REST_MARGIN) * rest_goodput:
+                return True
         rest, _, n_rest, n_awake = self.modes.rates(batch)
         drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
         if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
@@ -1577,8 +1686,9 @@ class GoodputController(_EstimatingController):
         # (and their many tokens would pull the line).
         if ctx.last_step_seconds is not None and ctx.requests and tokens <= decode:
             batch = getattr(ctx, "last_step_batch_size", None) or len(ctx.requests)
-            # The engine waits for the proposer as well as for the forward.
-            seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
+            # The engine's own work: our top-k extraction and proposer are
+            # timed apart (ModeRates.own_seconds), since a resting step skips them.
+            seconds = ctx.last_step_seconds - (ctx.last_topk_seconds or 0.0)
             verifies = any(r.num_draft > 0 for r in ctx.requests)
             self.cost.observe(float(tokens), float(batch), float(seconds), verifies, cold)
 
@@ -1616,11 +1726,15 @@ class GoodputController(_EstimatingController):
             return g
         return self._idle_goodput(self._batch_hint)
 
-    def _idle_goodput(self, batch: int) -> float:
+    def _idle_goodput(self, batch: int, own: float = 0.0) -> float:
         """The model's tokens per second of a step of ``batch`` requests
-        that keeps no draft: B / t(B)."""
+        that keeps no draft: B / (t(B) + own), ``own`` our work in it."""
         a, b = self.cost.line(batch)
-        return batch / max(a + b * batch, 1e-12)
+        return batch / max(a + b * batch + own, 1e-12)
+
+    def _own_seconds(self, batch: int) -> tuple[float, float] | None:
+        """(resting, awake) seconds of our own work per step, or None."""
+        return self.modes.own_seconds(batch)
 
     def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
         batch = len(lengths)
@@ -1629,15 +1743,22 @@ class GoodputController(_EstimatingController):
             cap, self._explore_cap = self._explore_cap, None
             return np.minimum(lengths, cap)
         a, b = self.cost.line(batch)
+        own = self._own_seconds(batch)
+        own_rest, own_awake = own if own is not None else (0.0, 0.0)
+        # An awake step pays our own work whatever it keeps: in the intercept.
         keep, goodput, tokens = goodput_allocation(
-            q, valid, a, b, self.cost.switch_s, self.cost.cold_s, self.sizes.array())
+            q, valid, a + own_awake, b, self.cost.switch_s, self.cost.cold_s,
+            self.sizes.array())
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         self._promised = goodput
-        idle = self._idle_goodput(batch)
-        if self._rest_beats_drafting(batch, goodput, idle):
+        self._expected_drafts = tokens - batch
+        idle = self._idle_goodput(batch, own_awake)
+        rest_goodput = None if own is None else self._idle_goodput(batch, own_rest)
+        if self._rest_beats_drafting(batch, goodput, idle, tokens, rest_goodput):
             self._rest_now = True
             self._promised = idle
+            self._expected_drafts = 0.0
             return np.zeros_like(keep)
         # A draft is worth its cost when its prefix probability exceeds
         # tau = b * goodput. Probing pays off only if acceptance can beat tau:
@@ -1652,10 +1773,17 @@ class GoodputController(_EstimatingController):
         return super().max_length(req_id)
 
     def _length_bound(self, slot: int) -> int:
+        return self._history_bound(slot, self._bound_threshold())
+
+    def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
+        return self._history_bounds(probs, self._bound_threshold())
+
+    def _bound_threshold(self) -> float:
         # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
         # a bound from history at (half) the last batch size.
         batch = max(1, self._batch_hint // 2)
-        return self._history_bound(slot, self.cost.line(batch)[1] * self._idle_goodput(batch))
+        own = self._own_seconds(batch)
+        return self.cost.line(batch)[1] * self._idle_goodput(batch, own[1] if own else 0.0)
 
     def stats(self) -> dict:
         out = super().stats()
@@ -1663,6 +1791,9 @@ class GoodputController(_EstimatingController):
         out["rest_steps"] = self.rest_steps
         out["rest_probes"] = self.rest_probes
         out["measured_rates"] = self.modes.table()
+        out["own_ms_per_step"] = self.modes.own_table()
+        out["draft_bias"] = {k: round(self.modes.draft_bias(int(k)), 3)
+                             for k in self.modes.table()}
         out["idle_probes"] = self.idle_probes
         out["cost_model"] = self.cost.coefficients()
         g = self.last_expected_goodput

@@ -276,3 +276,20 @@ def test_cpu_linears_keep_32_kernels_per_token_count():
     assert [r["rows"] for r in out["per_size"]] == [3, 5]
     assert all(r["first_us"] > 0 and r["cached_us"] > 0 for r in out["per_size"])
     assert out["sweep_sizes"] == 12
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_topk_extraction_is_timed_for_the_controller(k):
+    """The bridge times its top-k extraction (work a resting step skips) and
+    hands it to the next step's context."""
+    import types
+
+    import torch
+
+    from vllm_plugins import bridge
+
+    runner = types.SimpleNamespace(drafter=types.SimpleNamespace(topk_wanted=lambda: k))
+    bridge._stash_topk(runner, torch.randn(3, 50), None)
+    assert runner._vp_topk_seconds >= 0.0
+    assert (runner._vp_topk_seconds > 0.0) == (k > 0)
+    assert (runner._vp_topk[2] is None) == (k == 0)

@@ -58,6 +58,10 @@ def test_batch1_greedy_identical(base, spec, prompts):
         assert got[0].token_ids == _BASE[key][:n]
     stats = engine_stats(spec)
     assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
+    # Goodput (both variants): our own work per awake step (the bridge's
+    # top-k, the proposer) is timed apart from the engine's step.
+    own = stats["proposer"]["draft_length"]["own_ms_per_step"]
+    assert any(awake and awake > 0 for _, awake in own.values()), own
     assert stats["proposer"]["num_errors"] == 0
 
 

@@ -338,6 +338,7 @@ def _stash_topk(runner, logits: torch.Tensor, spec_decode_metadata) -> None:
     else:
         num_draft = [0] * logits.shape[0]
     ids = lps = None
+    start = time.perf_counter()
     if k > 0:
         with torch.no_grad():
             vals, idx = torch.topk(logits.float(), k, dim=-1)
@@ -345,6 +346,7 @@ def _stash_topk(runner, logits: torch.Tensor, spec_decode_metadata) -> None:
         ids = idx.cpu().numpy().astype(np.int64)
         lps = lps.cpu().numpy()
     runner._vp_topk = (num_draft, draft_ids, ids, lps)
+    runner._vp_topk_seconds = time.perf_counter() - start if k > 0 else 0.0
 
 
 def build_context(runner, scheduler_output, sampled_token_ids) -> StepContext:
@@ -399,6 +401,7 @@ def build_context(runner, scheduler_output, sampled_token_ids) -> StepContext:
         max_draft=runner.drafter.max_draft,
         last_step_seconds=(time.perf_counter() - start) if start else None,
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
+        last_topk_seconds=runner.__dict__.pop("_vp_topk_seconds", None),
     )
     return ctx
 

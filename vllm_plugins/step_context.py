@@ -71,6 +71,10 @@ class StepContext:
     # choosing lengths), set by the proposer base: the engine waits for it
     # too, and last_step_seconds leaves it out.
     last_propose_seconds: float | None = None
+    # Seconds of last_step_seconds the bridge spent extracting the target's
+    # top-k for the proposer (0 or None when it extracted none): work of an
+    # awake step that a step without speculation, or a resting one, skips.
+    last_topk_seconds: float | None = None
     # Self-drafting methods only (proposer.SELF_DRAFT): the target's layers as
     # a drafter (vllm_plugins.self_draft.TargetLayers), and the verification
     # pass's residual stream after each layer the proposer asked for in
