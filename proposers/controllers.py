@@ -1244,17 +1244,18 @@ class _EstimatingController(DraftLengthController):
     def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
         raise NotImplementedError
 
-    def _history_bound(self, slot: int, threshold: float) -> int:
-        q = np.cumprod(self.estimator.probs(np.array([slot]))[0])
-        return int((q > threshold).sum())
-
-    def _history_bounds(self, probs: np.ndarray, threshold: float) -> np.ndarray:
-        """``_history_bound`` of many rows from their probabilities."""
+    @staticmethod
+    def _history_bounds(probs: np.ndarray, threshold: float) -> np.ndarray:
+        """Per row, how many leading drafts have a prefix probability above
+        ``threshold`` by the request's history."""
         return (np.cumprod(probs, axis=1) > threshold).sum(1)
 
     def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
-        """``_length_bound`` of many rows from their probabilities."""
+        """The policy's bound on kept drafts, per row of probabilities."""
         return np.full(len(probs), self.max_draft, dtype=np.int64)
+
+    def _length_bound(self, slot: int) -> int:
+        return int(self._length_bounds(self.estimator.probs(np.array([slot])))[0])
 
     def _step_bounds(self, ctx: StepContext) -> dict[str, int] | None:
         cached = getattr(self, "_rows_for", None)
@@ -1292,9 +1293,6 @@ class _EstimatingController(DraftLengthController):
             self._zero_bound.add(req_id)
         return bound
 
-    def _length_bound(self, slot: int) -> int:
-        return self.max_draft
-
     def stats(self) -> dict:
         out = super().stats()
         out["acceptance_global"] = round(self.estimator.global_rate, 4)
@@ -1325,9 +1323,6 @@ class AcceptanceController(_EstimatingController):
         k_prob = (valid & (q >= self.options["min_prob"])).sum(1)
         return np.minimum(k_frac, k_prob)
 
-    def _length_bound(self, slot: int) -> int:
-        return self._history_bound(slot, self.options["min_prob"] - 1e-12)
-
     def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
         return self._history_bounds(probs, self.options["min_prob"] - 1e-12)
 
@@ -1340,9 +1335,6 @@ class ConfidenceController(_EstimatingController):
 
     def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
         return (valid & (q >= self.options["threshold"])).sum(1)
-
-    def _length_bound(self, slot: int) -> int:
-        return self._history_bound(slot, self.options["threshold"] - 1e-12)
 
     def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
         return self._history_bounds(probs, self.options["threshold"] - 1e-12)
@@ -1415,12 +1407,20 @@ class ModeRates:
             return batch
         return min(64 + batch.bit_length() - 6, cls._CELLS - 1)
 
+    def observe_drafts(self, batch: int, accepted: float, expected: float) -> None:
+        """An awake step's accepted drafts, and what the rule expected of
+        them (known at once; the step's seconds arrive a step later)."""
+        if math.isfinite(accepted) and math.isfinite(expected):
+            c, d = self.cell(batch), self._decay
+            self.accepted[c] = d * self.accepted[c] + accepted
+            self.expected[c] = d * self.expected[c] + expected
+
     def observe(self, resting: bool, batch: int, tokens: float, seconds: float,
-                predicted_rate: float = float("nan"), own_seconds: float = float("nan"),
-                accepted: float = float("nan"), expected: float = float("nan")) -> None:
-        """One step: its tokens and seconds (ours included); ``own_seconds``
-        of them spent on our work; on an awake step, the rule's predicted
-        rate and its accepted drafts against the rule's expectation."""
+                predicted_rate: float = float("nan"), own_seconds: float = float("nan")
+                ) -> None:
+        """One step: its tokens and seconds (ours included), ``own_seconds``
+        of them spent on our work, and on an awake step the rule's
+        predicted rate."""
         m, c = int(not resting), self.cell(batch)
         d = self._decay
         if own_seconds >= 0 and math.isfinite(own_seconds):
@@ -1432,9 +1432,6 @@ class ModeRates:
             if not math.isfinite(predicted_rate):
                 return   # an awake step without a prediction teaches no bias
             self.promised[c] = d * self.promised[c] + predicted_rate * seconds
-            if math.isfinite(accepted) and math.isfinite(expected):
-                self.accepted[c] = d * self.accepted[c] + accepted
-                self.expected[c] = d * self.expected[c] + expected
         self.tokens[m, c] = d * self.tokens[m, c] + tokens
         self.seconds[m, c] = d * self.seconds[m, c] + seconds
         self.count[m, c] = d * self.count[m, c] + 1.0
@@ -1444,10 +1441,17 @@ class ModeRates:
         c = self.cell(batch)
         return float(self.tokens[1, c] / self.promised[c]) if self.promised[c] > 0 else 1.0
 
+    # Expected drafts of prior evidence at ratio 1: a few unlucky drafts of a
+    # new request must not price every later draft at zero (that rested
+    # Token Recycling through a whole batch-1 run at MAT 1.00).
+    _BIAS_PRIOR = 4.0
+
     def draft_bias(self, batch: int) -> float:
-        """Accepted / expected drafts of awake steps at this batch size."""
+        """Accepted / expected drafts of awake steps at this batch size,
+        shrunk towards 1."""
         c = self.cell(batch)
-        return float(self.accepted[c] / self.expected[c]) if self.expected[c] > 0 else 1.0
+        k = self._BIAS_PRIOR
+        return float((self.accepted[c] + k) / (self.expected[c] + k))
 
     def own_seconds(self, batch: int) -> tuple[float, float] | None:
         """(resting, awake) seconds of our own work per step at this batch
@@ -1543,16 +1547,19 @@ class GoodputController(_EstimatingController):
                 self.resting = True
                 self._bounds = None
                 self._observe_resting(ctx)
-                self._step_record = (True, len(ctx.requests), *self._step_output(ctx),
-                                     float("nan"), float("nan"), ctx.last_topk_seconds)
+                tokens, _, seconds = self._step_output(ctx)
+                self._step_record = (True, len(ctx.requests), tokens, seconds,
+                                     float("nan"), ctx.last_topk_seconds)
                 self._promised = self._expected_drafts = float("nan")
                 return
             self._rest_left = 0
         if was_resting:
-            self._awake_since = self.steps
+            self._awake_since = self.steps + 1   # the step observed just below
         # This step verified what the previous decision kept: its prediction.
-        self._step_record = (False, len(ctx.requests), *self._step_output(ctx),
-                             self._promised, self._expected_drafts, ctx.last_topk_seconds)
+        tokens, accepted, seconds = self._step_output(ctx)
+        self.modes.observe_drafts(len(ctx.requests), accepted, self._expected_drafts)
+        self._step_record = (False, len(ctx.requests), tokens, seconds, self._promised,
+                             ctx.last_topk_seconds)
         self._promised = self._expected_drafts = float("nan")
         super().observe(ctx)
 
@@ -1570,11 +1577,11 @@ class GoodputController(_EstimatingController):
         rec, self._step_record = self._step_record, None
         if rec is None or not rec[1]:
             return
-        resting, batch, tokens, accepted, seconds, promised, expected, topk = rec
+        resting, batch, tokens, seconds, promised, topk = rec
         propose = ctx.last_propose_seconds
         own = float("nan") if propose is None else propose + (topk or 0.0)
         self.modes.observe(resting, batch, tokens, seconds + (propose or 0.0), promised,
-                           own_seconds=own, accepted=accepted, expected=expected)
+                           own_seconds=own)
 
     def _observe_resting(self, ctx: StepContext) -> None:
         """A resting step: bookkeeping only. No draft was verified (the step
@@ -1614,7 +1621,10 @@ class GoodputController(_EstimatingController):
         rest_now, self._rest_now = self._rest_now, False
         if any(keep):
             self._zero_run = 0
-            self._rest_len = self._REST_MIN
+            # Drafts on the first step after a rest are the news, not a
+            # verdict: only a later step's drafts end the doubling.
+            if self.steps > self._awake_since:
+                self._rest_len = self._REST_MIN
             return
         offered = self._bound_mask.any() or self.last_offered
         if not (offered and self._may_rest):
@@ -1771,9 +1781,6 @@ class GoodputController(_EstimatingController):
         if self._explore_cap is not None:
             return self.max_draft
         return super().max_length(req_id)
-
-    def _length_bound(self, slot: int) -> int:
-        return self._history_bound(slot, self._bound_threshold())
 
     def _length_bounds(self, probs: np.ndarray) -> np.ndarray:
         return self._history_bounds(probs, self._bound_threshold())
