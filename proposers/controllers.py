@@ -1392,10 +1392,8 @@ class ModeRates:
         self.count = np.zeros((2, self._CELLS))
         # Awake steps: the tokens the rule's prediction promised in the same time.
         self.promised = np.zeros(self._CELLS)
-        # Awake steps: accepted drafts, and what the rule expected of them.
-        self.accepted = np.zeros(self._CELLS)
-        self.expected = np.zeros(self._CELLS)
-        # Our own seconds per step (top-k extraction and proposer), per mode.
+        # Our own seconds per step (top-k extraction and proposer), per mode:
+        # reported, not decided on (docs/draft_length.md says why).
         self.own = np.zeros((2, self._CELLS))
         self.own_count = np.zeros((2, self._CELLS))
         self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
@@ -1406,14 +1404,6 @@ class ModeRates:
         if batch <= 64:
             return batch
         return min(64 + batch.bit_length() - 6, cls._CELLS - 1)
-
-    def observe_drafts(self, batch: int, accepted: float, expected: float) -> None:
-        """An awake step's accepted drafts, and what the rule expected of
-        them (known at once; the step's seconds arrive a step later)."""
-        if math.isfinite(accepted) and math.isfinite(expected):
-            c, d = self.cell(batch), self._decay
-            self.accepted[c] = d * self.accepted[c] + accepted
-            self.expected[c] = d * self.expected[c] + expected
 
     def observe(self, resting: bool, batch: int, tokens: float, seconds: float,
                 predicted_rate: float = float("nan"), own_seconds: float = float("nan")
@@ -1440,18 +1430,6 @@ class ModeRates:
         """Delivered / promised tokens of awake steps at this batch size."""
         c = self.cell(batch)
         return float(self.tokens[1, c] / self.promised[c]) if self.promised[c] > 0 else 1.0
-
-    # Expected drafts of prior evidence at ratio 1: a few unlucky drafts of a
-    # new request must not price every later draft at zero (that rested
-    # Token Recycling through a whole batch-1 run at MAT 1.00).
-    _BIAS_PRIOR = 4.0
-
-    def draft_bias(self, batch: int) -> float:
-        """Accepted / expected drafts of awake steps at this batch size,
-        shrunk towards 1."""
-        c = self.cell(batch)
-        k = self._BIAS_PRIOR
-        return float((self.accepted[c] + k) / (self.expected[c] + k))
 
     def own_seconds(self, batch: int) -> tuple[float, float] | None:
         """(resting, awake) seconds of our own work per step at this batch
@@ -1484,6 +1462,16 @@ class ModeRates:
             out[str(int(c))] = [round(1e3 * float(self.own[m, c] / self.own_count[m, c]), 3)
                                 if self.own_count[m, c] > 0 else None for m in (0, 1)]
         return out
+
+
+def _engine_gap(ctx: StepContext) -> float:
+    """The engine's seconds between our previous proposal and the step
+    (scheduling, output handling). A gap longer than the step itself is an
+    idle engine waiting for requests, not work: counted as none."""
+    gap, step = ctx.last_gap_seconds, ctx.last_step_seconds
+    if gap is None or step is None or not (0.0 <= gap <= step):
+        return 0.0
+    return float(gap)
 
 
 class GoodputController(_EstimatingController):
@@ -1526,10 +1514,10 @@ class GoodputController(_EstimatingController):
         self.modes = ModeRates()
         self._step_record: tuple | None = None
         self._promised = float("nan")  # predicted rate of the drafts just decided
-        self._expected_drafts = float("nan")   # ... and their expected accepted count
         self._rest_now = False        # the mode comparison says: rest from here
         self._awake_since = 0         # step the current awake stretch began
         self.rest_probes = 0
+        self.gap_s: float | None = None   # mean engine time around the runner
 
     # ----------------------------------------------------------------- rest
     @property
@@ -1547,28 +1535,23 @@ class GoodputController(_EstimatingController):
                 self.resting = True
                 self._bounds = None
                 self._observe_resting(ctx)
-                tokens, _, seconds = self._step_output(ctx)
-                self._step_record = (True, len(ctx.requests), tokens, seconds,
+                self._step_record = (True, len(ctx.requests), *self._step_output(ctx),
                                      float("nan"), ctx.last_topk_seconds)
-                self._promised = self._expected_drafts = float("nan")
+                self._promised = float("nan")
                 return
             self._rest_left = 0
         if was_resting:
-            self._awake_since = self.steps + 1   # the step observed just below
+            self._awake_since = self.steps
         # This step verified what the previous decision kept: its prediction.
-        tokens, accepted, seconds = self._step_output(ctx)
-        self.modes.observe_drafts(len(ctx.requests), accepted, self._expected_drafts)
-        self._step_record = (False, len(ctx.requests), tokens, seconds, self._promised,
-                             ctx.last_topk_seconds)
-        self._promised = self._expected_drafts = float("nan")
+        self._step_record = (False, len(ctx.requests), *self._step_output(ctx),
+                             self._promised, ctx.last_topk_seconds)
+        self._promised = float("nan")
         super().observe(ctx)
 
     @staticmethod
-    def _step_output(ctx: StepContext) -> tuple[float, float, float]:
-        """(tokens emitted, accepted drafts, engine seconds) of the step."""
+    def _step_output(ctx: StepContext) -> tuple[float, float]:
         tokens = float(sum(len(r.accepted) for r in ctx.requests))
-        accepted = float(sum(r.num_accepted_drafts for r in ctx.requests))
-        return tokens, accepted, float(ctx.last_step_seconds or 0.0)
+        return tokens, float(ctx.last_step_seconds or 0.0)
 
     def _record_mode(self, ctx: StepContext) -> None:
         """Close the previous step's record: its proposer time arrives now.
@@ -1580,8 +1563,9 @@ class GoodputController(_EstimatingController):
         resting, batch, tokens, seconds, promised, topk = rec
         propose = ctx.last_propose_seconds
         own = float("nan") if propose is None else propose + (topk or 0.0)
-        self.modes.observe(resting, batch, tokens, seconds + (propose or 0.0), promised,
-                           own_seconds=own)
+        if seconds:
+            self.modes.observe(resting, batch, tokens, seconds + (propose or 0.0),
+                               promised, own_seconds=own)
 
     def _observe_resting(self, ctx: StepContext) -> None:
         """A resting step: bookkeeping only. No draft was verified (the step
@@ -1621,10 +1605,7 @@ class GoodputController(_EstimatingController):
         rest_now, self._rest_now = self._rest_now, False
         if any(keep):
             self._zero_run = 0
-            # Drafts on the first step after a rest are the news, not a
-            # verdict: only a later step's drafts end the doubling.
-            if self.steps > self._awake_since:
-                self._rest_len = self._REST_MIN
+            self._rest_len = self._REST_MIN
             return
         offered = self._bound_mask.any() or self.last_offered
         if not (offered and self._may_rest):
@@ -1653,31 +1634,15 @@ class GoodputController(_EstimatingController):
     # rested through copy stretches at batch 1 and cost MAT).
     _REST_PROBE_GAIN = 1.02
 
-    def _rest_beats_drafting(self, batch: int, goodput: float, idle: float,
-                             tokens: float = float("nan"),
-                             rest_goodput: float | None = None) -> bool:
-        """Whether to rest from this step on. Never on the first awake step
-        after a rest: the cut drafts it observes are the news. Two readings:
-
-        - predicted: where our own work is timed at this batch size
-          (``rest_goodput`` given), the rule's decision (``tokens`` expected
-          in 1 / ``goodput`` seconds, our work included) with its expected
-          drafts scaled by the measured ratio of accepted to expected ones,
-          against B requests in a step of the model's idle time plus a
-          resting step's own work. Acts from the first timed step.
-        - measured: resting's rate at this batch size is measured; drafting's
-          is the rule's prediction times the measured ratio of delivered to
-          promised tokens of awake steps (so costs that nobody times count
-          too). Unmeasured rest is tried once where the corrected prediction
-          gains less than 2% over the idle step of an awake step.
-        """
-        if not self._may_rest or self.steps - self._awake_since < 1:
+    def _rest_beats_drafting(self, batch: int, goodput: float, idle: float) -> bool:
+        """Whether to rest from this step on. Resting's rate at this batch
+        size is measured; drafting's is the rule's prediction for this
+        decision times the measured ratio of delivered to promised tokens of
+        awake steps (so costs the model misses count, and a change in
+        acceptance counts at once). Unmeasured rest is tried once where the
+        corrected prediction gains less than 2% over the model's idle step."""
+        if not self._may_rest:
             return False
-        if rest_goodput is not None and math.isfinite(tokens) and goodput > 0:
-            drafts = self.modes.draft_bias(batch) * max(tokens - batch, 0.0)
-            predicted = (batch + drafts) * goodput / tokens
-            if predicted < (1.0 - self._REST_MARGIN) * rest_goodput:
-                return True
         rest, _, n_rest, n_awake = self.modes.rates(batch)
         drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
         if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
@@ -1690,15 +1655,17 @@ class GoodputController(_EstimatingController):
 
     def _observe_cost(self, ctx: StepContext) -> None:
         decode = sum((r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+        if ctx.last_gap_seconds is not None:   # reported, not modelled
+            gap = _engine_gap(ctx)
+            self.gap_s = gap if self.gap_s is None else 0.95 * self.gap_s + 0.05 * gap
         tokens = ctx.last_step_tokens or decode
         cold = self.sizes.touch(tokens) if tokens else False
         # Steps that ran prompt tokens are not the kind this rule decides on
         # (and their many tokens would pull the line).
         if ctx.last_step_seconds is not None and ctx.requests and tokens <= decode:
             batch = getattr(ctx, "last_step_batch_size", None) or len(ctx.requests)
-            # The engine's own work: our top-k extraction and proposer are
-            # timed apart (ModeRates.own_seconds), since a resting step skips them.
-            seconds = ctx.last_step_seconds - (ctx.last_topk_seconds or 0.0)
+            # The engine waits for the proposer as well as for the forward.
+            seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
             verifies = any(r.num_draft > 0 for r in ctx.requests)
             self.cost.observe(float(tokens), float(batch), float(seconds), verifies, cold)
 
@@ -1736,15 +1703,11 @@ class GoodputController(_EstimatingController):
             return g
         return self._idle_goodput(self._batch_hint)
 
-    def _idle_goodput(self, batch: int, own: float = 0.0) -> float:
+    def _idle_goodput(self, batch: int) -> float:
         """The model's tokens per second of a step of ``batch`` requests
-        that keeps no draft: B / (t(B) + own), ``own`` our work in it."""
+        that keeps no draft: B / t(B)."""
         a, b = self.cost.line(batch)
-        return batch / max(a + b * batch + own, 1e-12)
-
-    def _own_seconds(self, batch: int) -> tuple[float, float] | None:
-        """(resting, awake) seconds of our own work per step, or None."""
-        return self.modes.own_seconds(batch)
+        return batch / max(a + b * batch, 1e-12)
 
     def _choose(self, rows, lengths, q, valid, ctx) -> np.ndarray:
         batch = len(lengths)
@@ -1753,22 +1716,15 @@ class GoodputController(_EstimatingController):
             cap, self._explore_cap = self._explore_cap, None
             return np.minimum(lengths, cap)
         a, b = self.cost.line(batch)
-        own = self._own_seconds(batch)
-        own_rest, own_awake = own if own is not None else (0.0, 0.0)
-        # An awake step pays our own work whatever it keeps: in the intercept.
         keep, goodput, tokens = goodput_allocation(
-            q, valid, a + own_awake, b, self.cost.switch_s, self.cost.cold_s,
-            self.sizes.array())
+            q, valid, a, b, self.cost.switch_s, self.cost.cold_s, self.sizes.array())
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         self._promised = goodput
-        self._expected_drafts = tokens - batch
-        idle = self._idle_goodput(batch, own_awake)
-        rest_goodput = None if own is None else self._idle_goodput(batch, own_rest)
-        if self._rest_beats_drafting(batch, goodput, idle, tokens, rest_goodput):
+        idle = self._idle_goodput(batch)
+        if self._rest_beats_drafting(batch, goodput, idle):
             self._rest_now = True
             self._promised = idle
-            self._expected_drafts = 0.0
             return np.zeros_like(keep)
         # A draft is worth its cost when its prefix probability exceeds
         # tau = b * goodput. Probing pays off only if acceptance can beat tau:
@@ -1789,8 +1745,7 @@ class GoodputController(_EstimatingController):
         # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
         # a bound from history at (half) the last batch size.
         batch = max(1, self._batch_hint // 2)
-        own = self._own_seconds(batch)
-        return self.cost.line(batch)[1] * self._idle_goodput(batch, own[1] if own else 0.0)
+        return self.cost.line(batch)[1] * self._idle_goodput(batch)
 
     def stats(self) -> dict:
         out = super().stats()
@@ -1799,8 +1754,7 @@ class GoodputController(_EstimatingController):
         out["rest_probes"] = self.rest_probes
         out["measured_rates"] = self.modes.table()
         out["own_ms_per_step"] = self.modes.own_table()
-        out["draft_bias"] = {k: round(self.modes.draft_bias(int(k)), 3)
-                             for k in self.modes.table()}
+        out["engine_gap_ms"] = None if self.gap_s is None else round(1e3 * self.gap_s, 3)
         out["idle_probes"] = self.idle_probes
         out["cost_model"] = self.cost.coefficients()
         g = self.last_expected_goodput

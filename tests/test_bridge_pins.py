@@ -293,3 +293,4 @@ def test_topk_extraction_is_timed_for_the_controller(k):
     assert runner._vp_topk_seconds >= 0.0
     assert (runner._vp_topk_seconds > 0.0) == (k > 0)
     assert (runner._vp_topk[2] is None) == (k == 0)
+

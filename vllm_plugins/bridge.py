@@ -217,7 +217,12 @@ def _patch_model_runner() -> None:
 
     @functools.wraps(original_execute)
     def execute_model(self, *args, **kwargs):
-        self._vp_step_start = time.perf_counter()
+        self._vp_step_start = now = time.perf_counter()
+        # The engine's time between our last proposal and this step
+        # (scheduling, output handling): every step pays it, speculating or not.
+        end = self.__dict__.pop("_vp_propose_end", None)
+        if end is not None:
+            self._vp_gap = now - end
         # A step that schedules no tokens returns before drafting, so finish
         # notices are collected here and handed over at the next draft call.
         scheduler_output = args[0] if args else kwargs.get("scheduler_output")
@@ -261,9 +266,12 @@ def _patch_model_runner() -> None:
                 hidden_states, sample_hidden_states, aux_hidden_states,
                 spec_decode_metadata, *args, **kwargs)
         common_attn_metadata = args[0] if args else kwargs.get("common_attn_metadata")
-        return _propose(self, scheduler_output, sampled_token_ids,
-                        spec_decode_metadata, common_attn_metadata,
-                        aux_hidden_states)
+        try:
+            return _propose(self, scheduler_output, sampled_token_ids,
+                            spec_decode_metadata, common_attn_metadata,
+                            aux_hidden_states)
+        finally:
+            self._vp_propose_end = time.perf_counter()
 
     # GPUModelRunner._setup_eagle3_aux_hidden_state_outputs(self), called at
     # the end of load_model (CPU runner too): with use_aux_hidden_state_outputs
@@ -402,6 +410,7 @@ def build_context(runner, scheduler_output, sampled_token_ids) -> StepContext:
         last_step_seconds=(time.perf_counter() - start) if start else None,
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
         last_topk_seconds=runner.__dict__.pop("_vp_topk_seconds", None),
+        last_gap_seconds=runner.__dict__.pop("_vp_gap", None),
     )
     return ctx
 

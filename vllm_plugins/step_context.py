@@ -75,6 +75,10 @@ class StepContext:
     # top-k for the proposer (0 or None when it extracted none): work of an
     # awake step that a step without speculation, or a resting one, skips.
     last_topk_seconds: float | None = None
+    # Seconds the engine spent between our previous proposal and the
+    # previous step's forward (scheduling, handling outputs): outside
+    # last_step_seconds, and paid by every step, resting or not.
+    last_gap_seconds: float | None = None
     # Self-drafting methods only (proposer.SELF_DRAFT): the target's layers as
     # a drafter (vllm_plugins.self_draft.TargetLayers), and the verification
     # pass's residual stream after each layer the proposer asked for in
