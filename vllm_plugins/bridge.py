@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.topk import topk_logprobs
 
 _INSTALLED = False
 
@@ -349,8 +350,7 @@ def _stash_topk(runner, logits: torch.Tensor, spec_decode_metadata) -> None:
     start = time.perf_counter()
     if k > 0:
         with torch.no_grad():
-            vals, idx = torch.topk(logits.float(), k, dim=-1)
-            lps = (vals - torch.logsumexp(logits.float(), dim=-1, keepdim=True))
+            lps, idx = topk_logprobs(logits, k)
         ids = idx.cpu().numpy().astype(np.int64)
         lps = lps.cpu().numpy()
     runner._vp_topk = (num_draft, draft_ids, ids, lps)
