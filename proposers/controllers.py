@@ -1464,6 +1464,14 @@ class ModeRates:
         return out
 
 
+def _step_tokens(ctx: StepContext) -> tuple[int, int]:
+    """(tokens the step ran, tokens its decoding rows account for: one per
+    request plus its verified drafts). More run than accounted for means
+    the step ran prompt tokens too."""
+    decode = sum((r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+    return ctx.last_step_tokens or decode, decode
+
+
 def _engine_gap(ctx: StepContext) -> float:
     """The engine's seconds between our previous proposal and the step
     (scheduling, output handling). A gap longer than the step itself is an
@@ -1535,23 +1543,31 @@ class GoodputController(_EstimatingController):
                 self.resting = True
                 self._bounds = None
                 self._observe_resting(ctx)
-                self._step_record = (True, len(ctx.requests), *self._step_output(ctx),
-                                     float("nan"), ctx.last_topk_seconds)
+                self._step_record = self._mode_record(ctx, True, float("nan"))
                 self._promised = float("nan")
                 return
             self._rest_left = 0
         if was_resting:
             self._awake_since = self.steps
         # This step verified what the previous decision kept: its prediction.
-        self._step_record = (False, len(ctx.requests), *self._step_output(ctx),
-                             self._promised, ctx.last_topk_seconds)
+        self._step_record = self._mode_record(ctx, False, self._promised)
         self._promised = float("nan")
         super().observe(ctx)
 
     @staticmethod
-    def _step_output(ctx: StepContext) -> tuple[float, float]:
-        tokens = float(sum(len(r.accepted) for r in ctx.requests))
-        return tokens, float(ctx.last_step_seconds or 0.0)
+    def _mode_record(ctx: StepContext, resting: bool, predicted: float) -> tuple | None:
+        """What ``ModeRates`` learns from this step once its proposer time
+        is known; None for a step that ran prompt tokens. A prefill costs
+        what its prompt costs, in either mode, and emits next to nothing:
+        in flight, where requests join all the time, such steps put a
+        measured "awake" rate of 11 tok/s against 112 resting at batch 6
+        (docs/benchmarks.md, issue 3, run v16)."""
+        tokens, decode = _step_tokens(ctx)
+        if tokens > decode:
+            return None
+        emitted = float(sum(len(r.accepted) for r in ctx.requests))
+        return (resting, len(ctx.requests), emitted, float(ctx.last_step_seconds or 0.0),
+                predicted, ctx.last_topk_seconds)
 
     def _record_mode(self, ctx: StepContext) -> None:
         """Close the previous step's record: its proposer time arrives now.
@@ -1654,11 +1670,10 @@ class GoodputController(_EstimatingController):
         return False
 
     def _observe_cost(self, ctx: StepContext) -> None:
-        decode = sum((r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+        tokens, decode = _step_tokens(ctx)
         if ctx.last_gap_seconds is not None:   # reported, not modelled
             gap = _engine_gap(ctx)
             self.gap_s = gap if self.gap_s is None else 0.95 * self.gap_s + 0.05 * gap
-        tokens = ctx.last_step_tokens or decode
         cold = self.sizes.touch(tokens) if tokens else False
         # Steps that ran prompt tokens are not the kind this rule decides on
         # (and their many tokens would pull the line).

@@ -503,6 +503,29 @@ def test_goodput_rests_where_measured_rates_say_drafting_loses():
     assert rested[True] > 300 and rested[False] < 50, rested
 
 
+def test_goodput_measures_modes_on_decode_steps_only():
+    """A step that ran prompt tokens (a request joining in flight) costs
+    its prompt in either mode and emits next to nothing: it must teach
+    neither the step model nor the measured rates of resting and awake."""
+    c = _controller("goodput")
+    w = World(c, batch=4, cost=(0.02, 0.001, 0.0), seed=1)
+    w.run(0.5, 50)
+    observed = c.cost.num_observed
+    joining = [_req(f"r{i}", 0, 0) for i in range(4)] + [_req("new", 0, 0, prefill=True)]
+    # The previous step ran 300 prompt tokens beside four decoding rows.
+    ctx = StepContext(joining, max_draft=D, last_step_seconds=0.5, last_step_tokens=305)
+    c.observe(ctx)
+    c.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * 5))
+    weights = c.modes.count.sum()
+    c.observe(StepContext([_req(f"r{i}", 0, 0) for i in range(4)], max_draft=D,
+                          last_step_seconds=0.03, last_step_tokens=4))
+    assert c.cost.num_observed == observed + 1                 # the decode step only
+    assert c.modes.count.sum() == weights                     # nothing added
+    decode = StepContext([_req("a", 2, 1)], max_draft=D, last_step_seconds=0.03,
+                         last_step_tokens=3)
+    assert ctl.GoodputController._mode_record(decode, False, 40.0)[:3] == (False, 1, 2.0)
+
+
 def test_mode_rates_measure_rest_awake_and_the_models_bias():
     m = ctl.ModeRates()
     for _ in range(50):
