@@ -1516,6 +1516,7 @@ class GoodputController(_EstimatingController):
         self._rest_left = 0           # steps still to rest
         self._rest_len = self._REST_MIN
         self._rest_batch = 0          # batch size when the rest began
+        self._rest_ids: frozenset = frozenset()   # the batch's requests then
         self.rest_steps = 0
         self._idle_probe_at = -self._IDLE_PROBE_GAP
         self.idle_probes = 0
@@ -1538,8 +1539,11 @@ class GoodputController(_EstimatingController):
         self.resting = False
         if self._rest_left > 0:
             self._rest_left -= 1
-            # Half the batch gone changes what a draft is worth: decide again.
-            if 2 * len(ctx.requests) > self._rest_batch:
+            # Half the batch gone, or half of it new, changes what a draft
+            # is worth: decide again. (At batch 1, every new request: the
+            # last one's worthless drafts say nothing of the next one's.)
+            joined = sum(r.req_id not in self._rest_ids for r in ctx.requests)
+            if 2 * len(ctx.requests) > self._rest_batch and 2 * joined < len(ctx.requests):
                 self.resting = True
                 self._bounds = None
                 self._observe_resting(ctx)
@@ -1610,14 +1614,14 @@ class GoodputController(_EstimatingController):
         if self.resting:   # the proposer does not ask; keep nothing if it does
             return [0] * len(drafts.tokens)
         keep = super().decide(ctx, drafts)
-        self._after_decide(len(drafts.tokens), keep)
+        self._after_decide(ctx, keep)
         return keep
 
     @property
     def _may_rest(self) -> bool:
         return self.can_rest and self.options["rest"] and self.cost.warm
 
-    def _after_decide(self, batch: int, keep: list[int]) -> None:
+    def _after_decide(self, ctx: StepContext, keep: list[int]) -> None:
         rest_now, self._rest_now = self._rest_now, False
         if any(keep):
             self._zero_run = 0
@@ -1631,7 +1635,8 @@ class GoodputController(_EstimatingController):
             self._zero_run = 0
             self._rest_left = self._rest_len
             self._rest_len = min(2 * self._rest_len, self._REST_MAX)
-            self._rest_batch = batch
+            self._rest_batch = len(keep)
+            self._rest_ids = frozenset(r.req_id for r in ctx.requests)
 
     # Decayed steps of each mode before they are compared: at batch 1 the
     # host moves a step by +-25% between prompts, and with 8 the comparison
