@@ -1515,8 +1515,7 @@ class GoodputController(_EstimatingController):
         self._zero_run = 0            # steps in a row that kept no draft
         self._rest_left = 0           # steps still to rest
         self._rest_len = self._REST_MIN
-        self._rest_batch = 0          # batch size when the rest began
-        self._rest_ids: frozenset = frozenset()   # the batch's requests then
+        self._rest_ids: frozenset = frozenset()   # the batch when the rest began
         self.rest_steps = 0
         self._idle_probe_at = -self._IDLE_PROBE_GAP
         self.idle_probes = 0
@@ -1543,7 +1542,7 @@ class GoodputController(_EstimatingController):
             # is worth: decide again. (At batch 1, every new request: the
             # last one's worthless drafts say nothing of the next one's.)
             joined = sum(r.req_id not in self._rest_ids for r in ctx.requests)
-            if 2 * len(ctx.requests) > self._rest_batch and 2 * joined < len(ctx.requests):
+            if 2 * len(ctx.requests) > len(self._rest_ids) and 2 * joined < len(ctx.requests):
                 self.resting = True
                 self._bounds = None
                 self._observe_resting(ctx)
@@ -1635,7 +1634,6 @@ class GoodputController(_EstimatingController):
             self._zero_run = 0
             self._rest_left = self._rest_len
             self._rest_len = min(2 * self._rest_len, self._REST_MAX)
-            self._rest_batch = len(keep)
             self._rest_ids = frozenset(r.req_id for r in ctx.requests)
 
     # Decayed steps of each mode before they are compared: at batch 1 the
