@@ -44,6 +44,21 @@ def context_hash(tokens, order: int) -> int:
     return h
 
 
+def context_hashes(seq: np.ndarray, ends: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """``context_hash(seq[e - n:e], n)`` for every pair (e, n), at once.
+
+    The same values: uint64 products wrap modulo 2**64, and the mask keeps
+    the low 63 bits, which the wrap leaves as the exact product has them.
+    """
+    h = np.uint64(0x9E3779B97F4A7C15) ^ orders.astype(np.uint64)
+    prime, mask = np.uint64(_PRIME), np.uint64(_MASK)
+    for i in range(int(orders.max(initial=0))):
+        live = i < orders
+        t = seq[np.where(live, ends - orders + i, 0)].astype(np.uint64)
+        h = np.where(live, ((h * prime) ^ t) & mask, h)
+    return h
+
+
 class RecyclingTables:
     """The adjacency matrix plus the higher-order context tables."""
 
@@ -69,16 +84,38 @@ class RecyclingTables:
     def learn_context(self, seq: np.ndarray, end: int, tok: int, logp: float,
                       only_if_empty: bool = False) -> None:
         """Context tables: the last n tokens of seq[:end] -> tok, n = 2..order."""
-        for n in range(2, self.context_order + 1):
-            if end < n:
-                break
-            h = context_hash(seq[end - n:end], n)
-            slot = h % self.slots
-            if only_if_empty and self.ctx_key[slot] == h:
-                continue
-            self.ctx_key[slot] = h
-            self.ctx_tok[slot] = tok
-            self.ctx_logp[slot] = logp
+        self.learn_contexts(np.asarray(seq), np.array([end]), np.array([tok]),
+                            np.array([logp], np.float32), only_if_empty=only_if_empty)
+
+    def learn_contexts(self, seq: np.ndarray, ends: np.ndarray, toks: np.ndarray,
+                       logps: np.ndarray, starts: np.ndarray | None = None,
+                       only_if_empty: bool = False) -> None:
+        """``learn_context`` for many ends of ``seq`` in one pass, as if
+        called for each in order (a later end overwrites an earlier one's
+        slot). A context reaches back no further than its ``starts`` entry
+        (default 0): several requests' sequences may share ``seq``. With
+        ``only_if_empty`` (prompt seeding) a context already in the table
+        keeps its entry, and within the call its first occurrence wins."""
+        if self.context_order < 2 or len(ends) == 0:
+            return
+        orders = np.arange(2, self.context_order + 1)
+        e = np.repeat(np.asarray(ends, np.int64), len(orders))
+        n = np.tile(orders, len(ends))
+        lo = 0 if starts is None else np.repeat(np.asarray(starts, np.int64), len(orders))
+        ok = e - n >= lo
+        pick = np.repeat(np.arange(len(ends)), len(orders))[ok]
+        e, n = e[ok], n[ok]
+        keys = context_hashes(seq, e, n).astype(np.int64)
+        slots = keys % self.slots
+        if only_if_empty:
+            fresh = self.ctx_key[slots] != keys
+            _, first = np.unique(keys, return_index=True)
+            fresh &= np.isin(np.arange(len(keys)), first)
+            keys, slots, pick = keys[fresh], slots[fresh], pick[fresh]
+        # Repeated slots: numpy's advanced assignment keeps the last value.
+        self.ctx_key[slots] = keys
+        self.ctx_tok[slots] = np.asarray(toks)[pick]
+        self.ctx_logp[slots] = np.asarray(logps)[pick]
 
     def seed_matrix(self, tokens: np.ndarray) -> None:
         """Prompt bigrams fill matrix rows the target has not filled yet."""
@@ -178,30 +215,49 @@ class TokenRecyclingProposer(PluginProposer):
         self._seen.discard(req_id)
 
     def learn(self, ctx: StepContext) -> None:
+        """Tables <- every verified row of the step, all requests in one
+        pass (per-row Python cost 0.26 ms a step at batch 8 in the engine);
+        a request's prompt seeds the tables the first time it is seen."""
         t = self.tables
+        inputs, ids, lps = [], [], []
+        seqs, ends, starts = [], [], []
+        offset = 0
         for r in ctx.requests:
             if r.req_id not in self._seen and len(r.accepted) > 0:
                 self._seen.add(r.req_id)
                 if self.options["seed_from_prompt"]:
-                    prompt = np.asarray(r.context[:r.num_prompt_tokens], np.int64)
-                    t.seed_matrix(prompt)
-                    for end in range(2, len(prompt)):
-                        t.learn_context(prompt, end, int(prompt[end]), _SEED_LOGP,
-                                        only_if_empty=True)
+                    self._seed(np.asarray(r.context[:r.num_prompt_tokens], np.int64))
             if r.topk_ids is None or len(r.verified_tokens) == 0:
                 continue
             rows = len(r.verified_tokens)
-            t.learn_rows(r.verified_tokens, r.topk_ids[:rows], r.topk_logprobs[:rows])
+            inputs.append(r.verified_tokens)
+            ids.append(r.topk_ids[:rows])
+            lps.append(r.topk_logprobs[:rows])
             if t.context_order >= 2:
+                # Row j's context: the tokens before this step's output,
+                # then drafts 1..j (verified_tokens[0] is the last of those).
                 base = len(r.context) - len(r.accepted)
                 lo = max(0, base - t.context_order)
-                drafts = r.verified_tokens[1:]
-                seq = np.concatenate([np.asarray(r.context[lo:base], np.int64),
-                                      drafts.astype(np.int64)])
-                tail = base - lo
-                for j in range(rows):
-                    t.learn_context(seq, tail + j, int(r.topk_ids[j, 0]),
-                                    float(r.topk_logprobs[j, 0]))
+                seqs += [np.asarray(r.context[lo:base], np.int64),
+                         r.verified_tokens[1:].astype(np.int64)]
+                ends.append(offset + base - lo + np.arange(rows))
+                starts.append(np.full(rows, offset))
+                offset += base - lo + rows - 1
+        if not inputs:
+            return
+        ids_all, lps_all = np.concatenate(ids), np.concatenate(lps)
+        t.learn_rows(np.concatenate(inputs), ids_all, lps_all)
+        if seqs:
+            t.learn_contexts(np.concatenate(seqs), np.concatenate(ends),
+                             ids_all[:, 0], lps_all[:, 0], np.concatenate(starts))
+
+    def _seed(self, prompt: np.ndarray) -> None:
+        t = self.tables
+        t.seed_matrix(prompt)
+        if len(prompt) > 2:
+            t.learn_contexts(prompt, np.arange(2, len(prompt)), prompt[2:],
+                             np.full(len(prompt) - 2, _SEED_LOGP, np.float32),
+                             only_if_empty=True)
 
     def draft(self, ctx: StepContext) -> Drafts:
         self.learn(ctx)

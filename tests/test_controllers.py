@@ -336,6 +336,35 @@ def test_cost_model_with_batch_term_outliers_and_nonnegativity():
     assert co["per_token_s"] >= 0 and co["intercept_s"] > 0.02, co
 
 
+def _nnls_by_subsets(x, y):
+    """Reference: the plain least-squares fit of every column subset, the
+    best one whose coefficients are all non-negative."""
+    best, best_sse = np.zeros(x.shape[1]), float(y @ y)
+    for mask in range(1, 2 ** x.shape[1]):
+        idx = [i for i in range(x.shape[1]) if mask >> i & 1]
+        c = np.linalg.lstsq(x[:, idx], y, rcond=None)[0]
+        sse = float(np.sum((y - x[:, idx] @ c) ** 2))
+        if (c >= 0).all() and sse < best_sse:
+            best_sse, best = sse, np.zeros(x.shape[1])
+            best[idx] = c
+    return best
+
+
+def test_cost_model_nonnegative_fit_is_the_best_nonnegative_subset_fit():
+    rng = np.random.default_rng(3)
+    clipped = 0
+    for _ in range(300):
+        n, p = 256, int(rng.integers(2, 6))
+        x = np.column_stack([np.ones(n)] + [rng.random(n) * rng.integers(1, 100)
+                                            for _ in range(p - 1)])
+        y = x @ rng.normal(size=p) * 0.01 + 0.01 * rng.normal(size=n)
+        got, want = ctl.StepCostModel._nnls(x, y), _nnls_by_subsets(x, y)
+        assert (got >= 0).all()
+        np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-12)
+        clipped += int((want == 0).any())
+    assert clipped > 50   # the constraint was active in many of them
+
+
 def test_cost_model_fits_the_cost_of_a_verifying_step():
     """A step that verifies drafts costs d more than the token line says
     (measured on the CPU default at batch 16: about 6 ms on 80 ms). The fit

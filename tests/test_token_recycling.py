@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 
 from vllm_plugins.proposers.token_recycling import (RecyclingTables,
-                                                    TokenRecyclingProposer)
+                                                    TokenRecyclingProposer,
+                                                    context_hash, context_hashes)
 from vllm_plugins.step_context import RequestStep, StepContext
 
 V = 50
@@ -48,6 +49,51 @@ def test_longer_context_overrides_the_bigram():
     t.learn_context(seq, 2, 11, 0.0)  # after (1, 2) comes 11
     assert t.next_token([1, 2])[0] == 11
     assert t.next_token([4, 2])[0] == 10
+
+
+def test_context_hashes_match_the_scalar_hash():
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 49152, 400)
+    ends = rng.integers(8, 400, 300)
+    orders = rng.integers(1, 9, 300)
+    want = [context_hash(seq[e - n:e], int(n)) for e, n in zip(ends, orders)]
+    assert context_hashes(seq, ends, orders).astype(np.int64).tolist() == want
+
+
+def _learn_one_by_one(t, seq, ends, toks, logps, only_if_empty):
+    """Reference: what learn_contexts does, one end and one order at a time."""
+    for end, tok, lp in zip(ends, toks, logps):
+        for n in range(2, t.context_order + 1):
+            if end < n:
+                break
+            h = context_hash(seq[end - n:end], n)
+            slot = h % t.slots
+            if only_if_empty and t.ctx_key[slot] == h:
+                continue
+            t.ctx_key[slot], t.ctx_tok[slot], t.ctx_logp[slot] = h, tok, lp
+
+
+@pytest.mark.parametrize("only_if_empty,slots", [(False, 1024), (True, 65521)])
+def test_learn_contexts_matches_learning_one_end_at_a_time(only_if_empty, slots):
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 6, 300)          # few symbols: contexts repeat
+    ends = np.arange(0, 300)
+    toks = rng.integers(0, V, 300)
+    logps = np.log(rng.random(300)).astype(np.float32)
+    got, want = RecyclingTables(V, 1, 4, slots), RecyclingTables(V, 1, 4, slots)
+    for t in (got, want):                  # an entry already there
+        t.learn_context(seq, 10, 7, -0.5)
+    got.learn_contexts(seq, ends, toks, logps, only_if_empty=only_if_empty)
+    _learn_one_by_one(want, seq, ends, toks, logps, only_if_empty)
+    if only_if_empty:
+        # Seeding keeps each context's first occurrence; where two distinct
+        # contexts share a slot the one-by-one order may differ, so this
+        # case is checked where they do not.
+        keys = {context_hash(seq[e - n:e], n) for e in ends for n in range(2, 5) if e >= n}
+        assert len({k % slots for k in keys}) == len(keys)
+    assert (got.ctx_key == want.ctx_key).all()
+    assert (got.ctx_tok == want.ctx_tok).all()
+    assert (got.ctx_logp == want.ctx_logp).all()
 
 
 def test_save_load_round_trip_and_shape_check(tmp_path):
