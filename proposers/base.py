@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import Option
-from vllm_plugins.step_context import Drafts, StepContext
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")
 
@@ -111,6 +111,17 @@ class PluginProposer:
 
     def draft(self, ctx: StepContext) -> Drafts:
         raise NotImplementedError
+
+    def continue_draft(self, request: RequestStep, prefix: np.ndarray, n: int) -> np.ndarray:
+        """Up to ``n`` token ids that follow ``request.context`` + ``prefix``.
+
+        A composing proposer (grammar) replaces part of this proposer's draft
+        with tokens of its own and asks how the draft goes on after them;
+        ``prefix`` (int64) is the draft so far, not yet in ``request.context``.
+        Called within the step, after ``draft``. The default cannot continue:
+        an empty array, and the caller's draft ends there.
+        """
+        return np.zeros(0, dtype=np.int64)
 
     def topk_wanted(self) -> int:
         """How many of the target's top-k the bridge extracts this step: none
