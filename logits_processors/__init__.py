@@ -1,6 +1,7 @@
 """Logits processors for vLLM: grammar / JSON-Schema constrained decoding.
 
 ``grammar.GrammarLogitsProcessor`` is the vLLM processor (imports vLLM);
-``spec`` parses and compiles the per-request ``extra_args["grammar"]`` and
-needs only llguidance. Nothing is imported here, so importing the package is free.
+``asap`` is its grammar-aligned sampling. Grammar compilation and matching
+live in ``vllm_plugins.grammar``, shared with the grammar-forced draft
+proposer. Nothing is imported here, so importing the package is free.
 """

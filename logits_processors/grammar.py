@@ -11,9 +11,9 @@ Then per request::
 
     SamplingParams(extra_args={"grammar": {"json_schema": {...}}})
 
-(see :mod:`.spec` for the other kinds). Requests without the key are never
-touched, and a batch without any such request costs one dict-emptiness check
-per step.
+(see ``vllm_plugins.grammar.spec`` for the other kinds). Requests without
+the key are never touched, and a batch without any such request costs one
+dict-emptiness check per step.
 
 Both of vLLM 0.32's logits-processor interfaces are implemented by this one
 class, because the entry point names one class and vLLM picks the interface by
@@ -53,8 +53,8 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 )
 
 from .asap import AsapCursor, AsapStore, max_nodes_from_env
-from .masking import GrammarRuntime, runtime_for
-from .spec import (
+from vllm_plugins.grammar.runtime import GrammarRuntime, runtime_for
+from vllm_plugins.grammar.spec import (
     GRAMMAR_KEY,
     CompiledGrammar,
     GrammarSpecError,

@@ -15,9 +15,9 @@ its rejection sampler verifies it against the target, so output is exactly
 vLLM's structured output without speculation.
 
 Each request's grammar is rebuilt here from its ``SamplingParams`` as the
-request's vLLM backend builds it (``grammar_source``), with a matcher per
-request (a copy of a cached template), advanced by the request's output tokens
-each step and dropped when the request finishes. A spec llguidance cannot
+request's vLLM backend builds it (``vllm_plugins.grammar.structured_outputs``),
+with a matcher per request (a copy of a cached template), advanced by the
+request's output tokens each step and dropped when the request finishes. A spec llguidance cannot
 compile, or output our matcher cannot follow, costs that request its forced
 drafts only. Under a reasoning parser the grammar starts somewhere in the
 output that this proposer cannot see, so forced drafts are off there.
@@ -210,7 +210,7 @@ class GrammarProposer(PluginProposer):
         so = getattr(r.sampling_params, "structured_outputs", None)
         if so is None:
             return None
-        from vllm_plugins.proposers.grammar_source import grammar_for
+        from vllm_plugins.grammar.structured_outputs import grammar_for
 
         try:
             compiled = grammar_for(so, self._so_config)
@@ -233,7 +233,7 @@ class GrammarProposer(PluginProposer):
 
     def _get_runtime(self):
         if self._runtime is None:
-            from vllm_plugins.logits_processors.masking import runtime_for
+            from vllm_plugins.grammar.runtime import runtime_for
 
             tokenizer = self._tokenizer
             key: tuple = ("given", id(tokenizer))

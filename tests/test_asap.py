@@ -35,7 +35,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 
 from vllm_plugins.logits_processors import asap  # noqa: E402
 from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor  # noqa: E402
-from vllm_plugins.logits_processors.spec import (  # noqa: E402
+from vllm_plugins.grammar.spec import (  # noqa: E402
     GrammarSpecError,
     compile_grammar_request,
     validate_grammar_request,

@@ -35,7 +35,7 @@ import pytest
 llguidance = pytest.importorskip("llguidance")
 
 from vllm_plugins.bench.data import shared_data  # noqa: E402
-from vllm_plugins.logits_processors.spec import (  # noqa: E402
+from vllm_plugins.grammar.spec import (  # noqa: E402
     GrammarSpecError,
     compile_grammar_request,
 )
@@ -225,7 +225,7 @@ def ll_tokenizer():
     from transformers import AutoTokenizer
 
     from vllm_plugins.default_model import default_model_path
-    from vllm_plugins.logits_processors.masking import build_ll_tokenizer
+    from vllm_plugins.grammar.runtime import build_ll_tokenizer
 
     return build_ll_tokenizer(AutoTokenizer.from_pretrained(default_model_path()))
 
@@ -261,7 +261,7 @@ if __name__ == "__main__":
     from transformers import AutoTokenizer
 
     from vllm_plugins.default_model import default_model_path
-    from vllm_plugins.logits_processors.masking import build_ll_tokenizer
+    from vllm_plugins.grammar.runtime import build_ll_tokenizer
 
     tok = build_ll_tokenizer(AutoTokenizer.from_pretrained(default_model_path()))
     result = run_suite(suite_root(), tok)

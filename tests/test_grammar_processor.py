@@ -30,7 +30,7 @@ from vllm.v1.sample.logits_processor import (  # noqa: E402
 )
 
 from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor  # noqa: E402
-from vllm_plugins.logits_processors.spec import (  # noqa: E402
+from vllm_plugins.grammar.spec import (  # noqa: E402
     GrammarSpecError,
     validate_grammar_request,
 )
@@ -429,9 +429,10 @@ def test_v2_spec_decode_rows_follow_drafts(vllm_config, tokenizer, vocab):
 
 
 def test_bench_script_smoke(capsys):
-    from vllm_plugins.logits_processors.bench_grammar import main
+    from vllm_plugins.bench.grammar_bench import main
 
-    assert main(["--limit", "6", "--tokens", "4", "--batch", "1", "2", "--threads", "0"]) == 0
+    assert main(["--processor", "--schemas", "6", "--tokens", "4", "--batch", "1", "2",
+                 "--threads", "0"]) == 0
     out = capsys.readouterr().out
     assert "| **all** | **6** |" in out and "| 2 |" in out
 
@@ -451,7 +452,7 @@ def test_engine_that_drops_processors_refuses_grammar_requests(vllm_config):
 @pytest.mark.parametrize("width", [32 * 5, 32 * 5 - 7, 32 * 5 + 9])
 def test_bitmask_unpacking_numpy_and_torch_paths_agree(width):
     """The CPU (numpy) and device (torch bit ops) paths of the mask; checked here on CPU."""
-    from vllm_plugins.logits_processors.masking import GrammarRuntime
+    from vllm_plugins.grammar.runtime import GrammarRuntime
 
     g = torch.Generator().manual_seed(0)
     words = torch.randint(-(2**31), 2**31 - 1, (3, 5), dtype=torch.int32, generator=g)

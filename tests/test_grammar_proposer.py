@@ -10,7 +10,7 @@ import pytest
 
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.grammar import GrammarProposer, parse_inner
-from vllm_plugins.proposers.grammar_source import close_objects, grammar_for
+from vllm_plugins.grammar.structured_outputs import close_objects, grammar_for
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 SCHEMA = {"type": "object",
@@ -289,7 +289,7 @@ def test_close_objects_as_xgrammar_strict_mode():
 def _accepts(tok, compiled, text) -> bool:
     import llguidance
 
-    from vllm_plugins.logits_processors.masking import build_ll_tokenizer
+    from vllm_plugins.grammar.runtime import build_ll_tokenizer
 
     m = llguidance.LLMatcher(build_ll_tokenizer(tok), compiled.grammar)
     ids = tok.encode(text, add_special_tokens=False)

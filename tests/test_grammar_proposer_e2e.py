@@ -36,7 +36,7 @@ def params(schema=None):
 @pytest.fixture(scope="module")
 def schemas():
     from vllm_plugins.bench.data import shared_data
-    from vllm_plugins.logits_processors.spec import GrammarSpecError, compile_grammar_request
+    from vllm_plugins.grammar.spec import GrammarSpecError, compile_grammar_request
 
     rows = [json.loads(x) for x in shared_data("json_schemas_dev.jsonl").read_text().splitlines()]
     out = []

@@ -15,8 +15,9 @@ settings::
                                   # guidance backend): any JSON whitespace
                                   # between tokens; False allows none
     "aligned": bool               # any kind. Default False. True: grammar-
-                                  # aligned sampling (ASAp, see .asap) instead
-                                  # of plain masking; needs temperature > 0
+                                  # aligned sampling (ASAp, see
+                                  # logits_processors.asap) instead of
+                                  # plain masking; needs temperature > 0
 
 This module imports neither torch nor vLLM: the frontend process runs
 :func:`validate_grammar_request` once per request (through
@@ -62,7 +63,8 @@ class CompiledGrammar:
     grammar: str
     #: warnings llguidance reported while validating (e.g. ignored keywords).
     warnings: tuple[str, ...] = ()
-    #: ``"aligned": true``: sample with ASAp (:mod:`.asap`) rather than plain masking.
+    #: ``"aligned": true``: sample with ASAp (``logits_processors.asap``) rather
+    #: than plain masking.
     aligned: bool = False
 
 

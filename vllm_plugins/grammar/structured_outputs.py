@@ -18,8 +18,8 @@ does not, we rebuild the grammar as the request's backend builds it:
 * ``structural_tag`` and anything else: no grammar; the request gets its inner
   proposer's draft only.
 
-JSON schemas and regexes compile through ``logits_processors.spec`` (the same
-cached compiler the grammar logits processor uses).
+JSON schemas and regexes compile through ``spec`` (the same cached compiler
+the grammar logits processor uses).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 
 import llguidance
 
-from vllm_plugins.logits_processors.spec import (
+from vllm_plugins.grammar.spec import (
     CompiledGrammar,
     GrammarSpecError,
     compile_grammar_request,

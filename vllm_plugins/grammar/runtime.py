@@ -1,8 +1,10 @@
 """llguidance matchers and token bitmasks for a batch of logits rows.
 
-Shared by both vLLM logits-processor interfaces in ``grammar.py`` and by the
-benchmark. Nothing here knows about vLLM's batch bookkeeping: callers hand
-over (row, matcher) pairs and a logits tensor.
+Shared by both vLLM logits-processor interfaces of
+``logits_processors.grammar``, the grammar-forced draft proposer (tokenizer
+and matchers only) and the grammar benchmark. Nothing here knows about
+vLLM's batch bookkeeping: callers hand over (row, matcher) pairs and a
+logits tensor.
 """
 
 from __future__ import annotations
