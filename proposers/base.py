@@ -59,7 +59,6 @@ class PluginProposer:
         self.num_errors = 0
         self._logged_error = False
         self._last_propose_seconds: float | None = None  # the engine waits for it
-        self.model = None
 
     # ------------------------------------------------------------ vLLM route
     @classmethod
@@ -67,7 +66,9 @@ class PluginProposer:
         """Checks of vLLM's own SpeculativeConfig keys (e.g. draft bounds)."""
 
     def load_model(self, target_model: Any) -> None:
-        self.model = target_model
+        """Nothing to load: no draft model of our own. The target is never kept
+        as ``self.model``, which vLLM reads as a drafter's own model
+        (GPUModelRunner.get_draft_model, EPLB)."""
 
     def propose(self, *args, **kwargs):  # vLLM's raw custom_class call
         raise RuntimeError(

@@ -65,7 +65,7 @@ def test_a_step_without_drafts_can_take_the_plain_sampler():
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_plugins.bridge import _verifies_nothing
+    from vllm_plugins.bridge.step import verifies_nothing as _verifies_nothing
 
     none = SpecDecodeMetadata.make_dummy([[], []], torch.device("cpu"))
     some = SpecDecodeMetadata.make_dummy([[], [5, 6]], torch.device("cpu"))
@@ -134,21 +134,6 @@ def test_options_ride_the_config_to_workers():
         "token_recycling")
 
 
-def test_patches_are_installed_once():
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    import vllm_plugins
-    from vllm_plugins import bridge
-
-    vllm_plugins.register()
-    sample = GPUModelRunner._sample
-    bridge._INSTALLED = False
-    bridge.install()
-    assert GPUModelRunner._sample is sample
-    assert getattr(EngineArgs.create_speculative_config, "_vllm_plugins", False)
-
-
 @pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0"])
 def test_version_gate_names_both_versions(version):
     from vllm_plugins import check_vllm_version
@@ -164,61 +149,22 @@ def test_params_validator_is_built_per_engine():
     import vllm_plugins
 
     vllm_plugins.register()
+    from vllm_plugins.bridge.patching import MARK
+
     fn = InputProcessor._build_logits_processors_params_validator
-    assert getattr(fn, "_vllm_plugins", False)
+    assert getattr(fn, MARK) == "config.grammar_request_refusal"
     assert params(fn.__wrapped__) == ["self"]
     src = inspect.getsource(InputProcessor.__init__)
     assert "self._build_logits_processors_params_validator()" in src
 
 
 
-def test_finish_notices_survive_steps_that_schedule_nothing():
-    """execute_model returns before drafting when nothing is scheduled; the
-    finished ids of that step must still reach the proposer next step."""
-    from types import SimpleNamespace
-
-    from vllm_plugins import bridge
-
-    bridge.install()
-    runner = SimpleNamespace()
-    empty_step = SimpleNamespace(finished_req_ids={"a", "b"},
-                                 total_num_scheduled_tokens=0)
-    with pytest.raises(Exception):  # a stand-in runner cannot really execute
-        bridge._runner_class().execute_model(runner, empty_step)
-    next_step = SimpleNamespace(finished_req_ids={"c"})
-    assert bridge._take_finished(runner, next_step) == {"a", "b", "c"}
-    assert bridge._take_finished(runner, SimpleNamespace(finished_req_ids=set())) == set()
-
-
-# ------------------------------------------------ self-drafting (SWIFT / DEL)
 def test_lookahead_is_a_config_property_read_by_scheduler_and_warmup():
     from vllm.config import VllmConfig
     from vllm.v1.core.sched import scheduler
 
     assert isinstance(VllmConfig.__dict__["num_lookahead_tokens"], property)
     assert "vllm_config.num_lookahead_tokens" in inspect.getsource(scheduler)
-
-
-def test_plugin_lookahead_only_for_self_drafting_methods():
-    from types import SimpleNamespace
-
-    from vllm_plugins.bridge import plugin_lookahead
-    from vllm_plugins.registry import METHODS, PLUGIN_OPTIONS_ATTR
-
-    def config(method):
-        return SimpleNamespace(**{PLUGIN_OPTIONS_ATTR: {"method": method},
-                                  "model": METHODS[method].class_path,
-                                  "num_speculative_tokens": 5})
-
-    assert plugin_lookahead(config("swift")) == 5
-    assert plugin_lookahead(config("del")) == 5
-    assert plugin_lookahead(config("token_recycling")) == 0
-    composed = config("grammar")
-    getattr(composed, PLUGIN_OPTIONS_ATTR)["inner"] = {"method": "swift"}
-    assert plugin_lookahead(composed) == 5
-    getattr(composed, PLUGIN_OPTIONS_ATTR)["inner"] = "token_recycling"
-    assert plugin_lookahead(composed) == 0
-    assert plugin_lookahead(SimpleNamespace(model="x.Y", num_speculative_tokens=3)) == 0
 
 
 def test_aux_hidden_state_route():
@@ -278,19 +224,117 @@ def test_cpu_linears_keep_32_kernels_per_token_count():
     assert out["sweep_sizes"] == 12
 
 
-@pytest.mark.parametrize("k", [0, 4])
-def test_topk_extraction_is_timed_for_the_controller(k):
-    """The bridge times its top-k extraction (work a resting step skips) and
-    hands it to the next step's context."""
-    import types
 
+
+# ------------------------------------------------------------ the patch list
+def test_every_patch_targets_vllm_and_names_its_pin():
+    """Each patch's target exists in this vLLM (or, for an attribute we add,
+    exists only as ours) and its pin test is in this module."""
+    import vllm_plugins
+    from vllm_plugins.bridge.patching import _MISSING
+    from vllm_plugins.patches import PATCHES, RELIED_ON, vllm_names
+
+    vllm_plugins.register()
+    here = globals()
+    for patch in PATCHES:
+        file, _, test = patch.pin.partition("::")
+        assert file == "tests/test_bridge_pins.py" and callable(here.get(test)), patch
+        if patch.when is None or patch.when():
+            assert patch.is_applied(), patch.name
+        else:
+            assert patch.current() is not _MISSING, patch.name
+    for name in RELIED_ON:
+        module, _, qualname = name.partition(":")
+        obj = __import__(module, fromlist=["_"])
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    assert len(set(vllm_names())) == len(vllm_names())
+
+
+def test_cpu_expand_batch_to_tokens_fix():
+    """Without Triton, vLLM's CPU expand kernel leaves float32 and int32
+    outputs uninitialised; our replacement spreads per-request values over
+    the draft rows exactly. The first half fails the day vLLM fixes it, and
+    the patch can go."""
     import torch
+    from vllm.utils import cpu_triton_utils
 
-    from vllm_plugins import bridge
+    from vllm_plugins.bridge.cpu_fixes import replace_expand_batch_to_tokens
 
-    runner = types.SimpleNamespace(drafter=types.SimpleNamespace(topk_wanted=lambda: k))
-    bridge._stash_topk(runner, torch.randn(3, 50), None)
-    assert runner._vp_topk_seconds >= 0.0
-    assert (runner._vp_topk_seconds > 0.0) == (k > 0)
-    assert (runner._vp_topk[2] is None) == (k == 0)
+    assert hasattr(cpu_triton_utils, "_expand_kernel_impl")
+    src = inspect.getsource(cpu_triton_utils._expand_kernel_impl)
+    assert "int64" in src or "long()" in src
+    expand = replace_expand_batch_to_tokens(None)
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    got = expand(torch.tensor([0.8, 0.3, 0.0]), cu, 5, replace_from=0, replace_to=1)
+    assert got.dtype == torch.float32
+    assert got.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0])
+    got = expand(torch.tensor([3, 9, 7], dtype=torch.int32), cu, 5)
+    assert got.dtype == torch.int32 and got.tolist() == [3, 3, 7, 7, 7]
 
+
+def _names_vllm_probes_on_drafters() -> set[str]:
+    """Attribute names vLLM reads on a runner's drafter anywhere in its source:
+    ``drafter.x``, ``self.drafter.x`` and ``getattr/hasattr(drafter, "x")``."""
+    import ast
+    import pathlib
+
+    import vllm
+
+    def is_drafter(node) -> bool:
+        return ((isinstance(node, ast.Name) and node.id == "drafter")
+                or (isinstance(node, ast.Attribute) and node.attr == "drafter"))
+
+    names = set()
+    for path in pathlib.Path(vllm.__file__).parent.rglob("*.py"):
+        text = path.read_text(errors="ignore")
+        if "drafter" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Attribute) and is_drafter(node.value):
+                names.add(node.attr)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr")
+                  and len(node.args) >= 2 and is_drafter(node.args[0])
+                  and isinstance(node.args[1], ast.Constant)):
+                names.add(node.args[1].value)
+    return names
+
+
+def test_our_proposers_answer_to_no_name_vllm_probes_on_a_drafter():
+    """vLLM gives meaning to attributes of runner.drafter (``model`` is read
+    as a draft model by EPLB and LoRA, ``set_eplb_state``, ...): ours carry
+    only ``load_model`` and ``propose``, the custom_class route's two."""
+    from vllm_plugins.proposers.base import PluginProposer
+    from vllm_plugins.registry import METHODS
+
+    probed = _names_vllm_probes_on_drafters()
+    assert {"model", "load_model", "propose", "set_eplb_state"} <= probed
+    allowed = {"load_model", "propose"}
+    base = PluginProposer(None, options={}, vocab_size=32)
+    for cls in [PluginProposer] + [m.proposer_class() for m in METHODS.values()]:
+        clash = (probed - allowed) & (set(dir(cls)) | set(vars(base)))
+        assert not clash, (cls.__name__, sorted(clash))
+
+
+def test_our_method_names_are_not_vllms():
+    from vllm_plugins.registry import METHODS, translate, vllm_method_names
+
+    vllm_names = vllm_method_names()
+    assert {"ngram", "eagle", "suffix", "custom_class"} <= vllm_names
+    assert not set(METHODS) & vllm_names
+    # A name vLLM defines always reaches vLLM untouched.
+    assert translate({"method": "ngram", "num_speculative_tokens": 3}) == (
+        {"method": "ngram", "num_speculative_tokens": 3}, None)
+
+
+def test_runner_groups_attention_layers_by_kv_cache_spec():
+    """Self-drafting is refused for targets with several KV-cache specs: the
+    runner builds one attention group per distinct spec from this method."""
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert params(GPUModelRunner.get_kv_cache_spec) == ["self"]
+    assert "get_layers_from_vllm_config" in inspect.getsource(
+        GPUModelRunner.get_kv_cache_spec)
+    assert hasattr(kv_cache_utils, "get_kv_cache_groups")

@@ -468,11 +468,11 @@ def test_acceptance_policy_sees_a_length_fixed_before_drafting():
 def test_samples_of_one_request_share_the_bridges_group_id():
     """Pins vLLM's child naming (v1/engine/parallel_sampling.py,
     ParentRequest.get_child_info: f"{index}_{request_id}", child n = 1) to
-    vllm_plugins.bridge._group_of."""
+    vllm_plugins.bridge.step.group_of."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.parallel_sampling import ParentRequest
 
-    from vllm_plugins.bridge import _group_of
+    from vllm_plugins.bridge.step import group_of as _group_of
 
     parent_id = "chat-42-1a2b3c4d"
     parent = ParentRequest(SimpleNamespace(
@@ -486,28 +486,6 @@ def test_samples_of_one_request_share_the_bridges_group_id():
     assert groups == {parent_id}
     alone = SimpleNamespace(sampling_params=SamplingParams(n=1))
     assert _group_of("b7-3-9f8e7d6c", alone) == "b7-3-9f8e7d6c"
-
-
-def test_cpu_verification_gets_real_temperatures():
-    """vLLM 0.32's CPU expand kernel loses float/int32 outputs; the bridge's
-    replacement must spread per-request values over draft rows exactly."""
-    import torch
-
-    import vllm.v1.sample.rejection_sampler as rs
-    from vllm.triton_utils import HAS_TRITON
-
-    from vllm_plugins.bridge import _patch_cpu_expand
-
-    if HAS_TRITON:
-        pytest.skip("Triton present: vLLM's own kernel runs")
-    _patch_cpu_expand()
-    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
-    got = rs.expand_batch_to_tokens(torch.tensor([0.8, 0.3, 0.0]), cu, 5,
-                                    replace_from=0, replace_to=1)
-    assert got.dtype == torch.float32
-    assert got.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0])
-    got = rs.expand_batch_to_tokens(torch.tensor([3, 9, 7], dtype=torch.int32), cu, 5)
-    assert got.dtype == torch.int32 and got.tolist() == [3, 3, 7, 7, 7]
 
 
 def test_calibration_learns_acceptance_per_kind_and_shortens_bad_paths():

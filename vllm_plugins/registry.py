@@ -59,10 +59,30 @@ def vllm_speculative_fields() -> set[str]:
     return {f.name for f in fields(SpeculativeConfig)}
 
 
+def vllm_method_names() -> set[str]:
+    """The method names vLLM's own SpeculativeConfig accepts."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    names, todo = set(), [SpeculativeMethod]
+    while todo:
+        for arg in get_args(todo.pop()):
+            (names.add if isinstance(arg, str) else todo.append)(arg)
+    return names
+
+
 def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(dict for vLLM's SpeculativeConfig, our validated options or None)."""
+    """(dict for vLLM's SpeculativeConfig, our validated options or None).
+
+    A name vLLM itself defines is always vLLM's: ours never shadow it
+    (``custom_class`` with one of our class paths is ours, with defaults).
+    """
     user = {k.replace("-", "_"): v for k, v in user.items()}
     method_name = user.get("method")
+    if (isinstance(method_name, str) and method_name != "custom_class"
+            and method_name in vllm_method_names()):
+        return user, None
     method = METHODS.get(method_name) if isinstance(method_name, str) else None
     if method is None:
         # The dotted custom_class route to one of our classes: defaults apply.

@@ -84,6 +84,31 @@ class SelfDraftResult:
     lengths: np.ndarray = field(default=None)  # [R] tokens before the stop rule
 
 
+def check_target(runner, method: str) -> None:
+    """Refuses, at start-up, a target whose attention layers do not share
+    one attention group.
+
+    ``TargetLayers`` builds one attention metadata for every layer; a model
+    mixing sliding-window and full attention has several groups and would
+    fail at its first decode. GPUModelRunner.get_kv_cache_spec() gives each
+    attention layer's KV-cache spec, the grouping vLLM itself uses. (The
+    decoder's shape is checked by the proposer's ``load_model``.)
+    """
+    model = runner.get_model()
+    specs = list(runner.get_kv_cache_spec().values())
+    kinds = []
+    for spec in specs:
+        if spec not in kinds:
+            kinds.append(spec)
+    if len(kinds) > 1:
+        names = sorted({type(k).__name__ for k in kinds})
+        raise ValueError(
+            f"speculative method '{method}' drafts with one attention metadata "
+            f"for every layer, but {type(model).__name__} has {len(kinds)} kinds "
+            f"of attention layers ({', '.join(names)}: e.g. sliding-window beside "
+            "full attention); use a method that does not run the target's layers")
+
+
 class TargetLayers:
     """Partial forwards of the loaded target for one step of one runner."""
 

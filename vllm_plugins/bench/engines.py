@@ -44,11 +44,16 @@ def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(model=model, dtype="float32", max_model_len=max_model_len,
-               max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-               speculative_config=dict(spec) if spec else None, seed=seed,
-               kv_cache_memory_bytes=kv_cache_mib * 2**20,
-               disable_log_stats=False)
+    llm = LLM(model=model, dtype="float32", max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+              speculative_config=dict(spec) if spec else None, seed=seed,
+              kv_cache_memory_bytes=kv_cache_mib * 2**20,
+              disable_log_stats=False)
+    if spec:
+        # Drafted / accepted counts for vLLM's own drafters too (ours always
+        # count); an engine that is not asked keeps nothing of ours.
+        llm.llm_engine.collective_rpc("vllm_plugins_count_steps")
+    return llm
 
 
 @dataclass

@@ -1,0 +1,201 @@
+"""The bridge's step, start-up refusals and runner state, without an engine."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_plugins.bridge import runner as bridge_runner
+from vllm_plugins.bridge import step
+from vllm_plugins.bridge.state import ATTR, RunnerState, attach, state_of
+
+
+def stand_in_runner(proposer):
+    """Two requests: 'a' verified drafts [7, 8] and emitted [7, 9]; 'b' is
+    still in prefill. Token arrays as vLLM's bookkeeping leaves them."""
+    tokens = np.zeros((2, 16), dtype=np.int64)
+    tokens[0, :6] = [1, 2, 3, 4, 7, 9]  # prompt 1 2 3, output 4 | 7 9
+    tokens[1, :3] = [5, 6, 5]
+    batch = SimpleNamespace(
+        req_ids=["a", "b"], num_tokens_no_spec=np.array([6, 3]),
+        token_ids_cpu=tokens, num_prompt_tokens=np.array([3, 3]), vocab_size=50)
+    params = SimpleNamespace(temperature=0.0, n=1)
+    runner = SimpleNamespace(input_batch=batch, drafter=proposer, device="cpu",
+                             requests={"a": SimpleNamespace(sampling_params=params),
+                                       "b": SimpleNamespace(sampling_params=params)})
+    return runner
+
+
+def test_build_context_lines_up_verified_rows_with_the_targets_topk():
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    proposer = SimpleNamespace(topk_wanted=lambda: 3, max_draft=4)
+    runner = stand_in_runner(proposer)
+    state = attach(runner, proposer)
+    logits = torch.randn(4, 50)  # a: 2 drafts + 1, b: 1
+    metadata = SpecDecodeMetadata.make_dummy([[7, 8], []], torch.device("cpu"))
+    step.stash_topk(state, logits, metadata)
+    seconds = state.topk.seconds
+    assert seconds > 0
+    scheduler_output = SimpleNamespace(finished_req_ids={"gone"},
+                                       total_num_scheduled_tokens=4)
+    ctx = step.build_context(runner, state, scheduler_output, [[7, 9], []])
+    a, b = ctx.requests
+    assert a.req_id == "a" and list(a.accepted) == [7, 9]
+    assert list(a.verified_tokens) == [4, 7, 8] and a.num_draft == 2
+    want = torch.log_softmax(logits[:3], -1).topk(3)
+    assert np.array_equal(a.topk_ids, want.indices.numpy())
+    assert np.allclose(a.topk_logprobs, want.values.numpy(), atol=1e-5)
+    assert b.in_prefill and b.topk_ids is None and b.num_draft == 0
+    assert ctx.finished == {"gone"} and ctx.max_draft == 4
+    assert ctx.last_topk_seconds == seconds
+    assert state.topk is None  # consumed: a stale stash never reaches a later step
+
+
+def test_a_stash_that_does_not_line_up_teaches_nothing():
+    proposer = SimpleNamespace(topk_wanted=lambda: 2, max_draft=4)
+    runner = stand_in_runner(proposer)
+    state = attach(runner, proposer)
+    step.stash_topk(state, torch.randn(3, 50), None)  # three rows, two requests
+    ctx = step.build_context(runner, state, SimpleNamespace(
+        finished_req_ids=set(), total_num_scheduled_tokens=2), [[9], []])
+    assert all(r.topk_ids is None for r in ctx.requests)
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_topk_extraction_is_timed_for_the_controller(k):
+    """Work a resting step skips is timed apart and reaches the next context."""
+    state = RunnerState(proposer=SimpleNamespace(topk_wanted=lambda: k))
+    step.stash_topk(state, torch.randn(3, 50), None)
+    assert (state.topk.seconds > 0.0) == (k > 0)
+    assert (state.topk.ids is None) == (k == 0)
+
+
+def test_finish_notices_survive_steps_that_schedule_nothing():
+    """execute_model returns before drafting when nothing is scheduled; the
+    finished ids of that step must still reach the proposer next step."""
+    def vllm_execute(self, scheduler_output):
+        return None
+
+    execute = bridge_runner.wrap_execute_model(vllm_execute)
+    runner = SimpleNamespace()
+    state = attach(runner, proposer=object())
+    execute(runner, SimpleNamespace(finished_req_ids={"a", "b"}))
+    assert state.step_start is not None
+    assert step.take_finished(state, SimpleNamespace(finished_req_ids={"c"})) == {
+        "a", "b", "c"}
+    assert step.take_finished(state, SimpleNamespace(finished_req_ids=set())) == set()
+
+
+def test_runners_without_our_proposer_carry_nothing_of_ours():
+    """Plain and vLLM-drafter runners go straight to vLLM's code: no state,
+    no counters, no held request ids, however many steps run."""
+    calls = []
+
+    def vllm_execute(self, scheduler_output):
+        calls.append("execute")
+
+    def vllm_sample(self, logits, spec_decode_metadata):
+        calls.append("sample")
+
+    def vllm_propose(self, *args, **kwargs):
+        calls.append("propose")
+        return [[1]]
+
+    def vllm_after_load(self):
+        calls.append("load")
+
+    execute = bridge_runner.wrap_execute_model(vllm_execute)
+    sample = bridge_runner.wrap_sample(vllm_sample)
+    propose = bridge_runner.wrap_propose(vllm_propose)
+    after_load = bridge_runner.wrap_after_load(vllm_after_load)
+    for drafter in (None, SimpleNamespace(propose=lambda *a: [[1]])):
+        runner = SimpleNamespace(drafter=drafter)
+        after_load(runner)
+        for i in range(300):
+            execute(runner, SimpleNamespace(finished_req_ids={f"r{i}"}))
+            sample(runner, torch.zeros(1, 4), None)
+            assert propose(runner, None, [[1]], None, None, None, None, None) == [[1]]
+        assert state_of(runner) is None and ATTR not in vars(runner)
+        assert set(vars(runner)) == {"drafter"}
+    assert calls.count("execute") == 600 and calls.count("load") == 2
+
+
+def test_counting_is_opt_in_for_vllms_own_drafters():
+    def vllm_propose(self, *args, **kwargs):
+        return [[1, 2]]
+
+    propose = bridge_runner.wrap_propose(vllm_propose)
+    worker = SimpleNamespace(model_runner=SimpleNamespace())
+    read = bridge_runner.add_read_stats(None)
+    assert read(worker) == {}
+    bridge_runner.add_count_steps(None)(worker)
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    md = SpecDecodeMetadata.make_dummy([[4, 5]], torch.device("cpu"))
+    propose(worker.model_runner, None, [[4, 6]], None, None, None, None, md)
+    assert read(worker) == {"steps": 1, "drafted": 2, "accepted": 1, "tokens": 2}
+
+
+# ------------------------------------------------------------- start-up
+def spec_config(method, **extra):
+    from vllm_plugins.registry import METHODS, PLUGIN_OPTIONS_ATTR
+
+    return SimpleNamespace(**{PLUGIN_OPTIONS_ATTR: {"method": method, **extra},
+                              "model": METHODS[method].class_path,
+                              "num_speculative_tokens": 5,
+                              "rejection_sample_method": "standard"})
+
+
+def test_plugin_lookahead_only_for_self_drafting_methods():
+    from vllm_plugins.bridge.config import plugin_lookahead
+
+    assert plugin_lookahead(spec_config("swift")) == 5
+    assert plugin_lookahead(spec_config("del")) == 5
+    assert plugin_lookahead(spec_config("token_recycling")) == 0
+    grammar = next(m for m in ("grammar_forced", "grammar")
+                   if m in __import__("vllm_plugins.registry").registry.METHODS)
+    assert plugin_lookahead(spec_config(grammar, inner={"method": "swift"})) == 5
+    assert plugin_lookahead(spec_config(grammar, inner="token_recycling")) == 0
+    assert plugin_lookahead(SimpleNamespace(model="x.Y", num_speculative_tokens=3)) == 0
+
+
+def test_unsafe_combinations_are_refused_at_start_up(monkeypatch):
+    import vllm.envs as envs
+
+    from vllm_plugins.bridge.config import refuse_unsafe
+
+    one = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                          data_parallel_size=1)
+    refuse_unsafe("token_recycling", spec_config("token_recycling"), one)
+    for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                 "data_parallel_size"):
+        with pytest.raises(ValueError, match=f"{name}=2"):
+            refuse_unsafe("stand", spec_config("stand"),
+                          SimpleNamespace(**{**vars(one), name: 2}))
+    lossy = spec_config("token_recycling")
+    lossy.rejection_sample_method = "fly"
+    with pytest.raises(ValueError, match="rejection_sample_method 'fly'"):
+        refuse_unsafe("token_recycling", lossy, one)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert envs.VLLM_USE_V2_MODEL_RUNNER is True  # read from the environment
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        refuse_unsafe("token_recycling", spec_config("token_recycling"), one)
+
+
+def test_self_drafting_refuses_targets_with_several_attention_kinds():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from vllm_plugins.self_draft import check_target
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8,
+                               dtype=torch.float32, sliding_window=64)
+    runner = SimpleNamespace(get_model=lambda: torch.nn.Identity(),
+                             get_kv_cache_spec=lambda: {"l0": full, "l1": full})
+    check_target(runner, "swift")
+    runner.get_kv_cache_spec = lambda: {"l0": full, "l1": window}
+    with pytest.raises(ValueError, match="'swift'.*2 kinds.*SlidingWindowSpec"):
+        check_target(runner, "swift")

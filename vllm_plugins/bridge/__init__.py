@@ -1,0 +1,22 @@
+"""The only code that touches vLLM's private internals.
+
+``install`` applies ``vllm_plugins.patches.PATCHES`` (idempotent): each is a
+named ``Patch`` over one vLLM attribute, with its reason and the pin test in
+tests/test_bridge_pins.py that fails loudly when vLLM's shape changes.
+
+- ``config``: start-up (our method names, option validation, refusals);
+- ``runner``: the V1 model runner's step, for our proposers only;
+- ``step``: the StepContext built from the runner's arrays (no patching);
+- ``state``: the one typed object we keep on a runner;
+- ``cpu_fixes``: a correction to vLLM's CPU build.
+"""
+
+from __future__ import annotations
+
+
+def install() -> list[str]:
+    """Applies every patch not yet applied; returns their names."""
+    from vllm_plugins.bridge.patching import apply
+    from vllm_plugins.patches import PATCHES
+
+    return apply(PATCHES)

@@ -1,0 +1,122 @@
+"""Start-up: our method names into vLLM's config, and every refusal up front.
+
+What cannot work is refused here, in the front end, before a model loads:
+one ``ValueError`` that names the option and the reason, never a failure
+later in a worker.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR, translate
+
+
+def wrap_create_speculative_config(original):
+    # vllm.engine.arg_utils.EngineArgs.create_speculative_config(
+    #     self, target_model_config, target_parallel_config) builds
+    # SpeculativeConfig(**self.speculative_config); it runs after plugins load.
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        options = None
+        if isinstance(self.speculative_config, dict):
+            self.speculative_config, options = translate(self.speculative_config)
+        config = original(self, *args, **kwargs)
+        if config is not None and options is not None:
+            parallel = (args[1] if len(args) > 1
+                        else kwargs.get("target_parallel_config"))
+            refuse_unsafe(options["method"], config, parallel)
+            # SpeculativeConfig forbids unknown fields in __init__, but the
+            # instance has a __dict__, which pickles to the workers with it.
+            object.__setattr__(config, PLUGIN_OPTIONS_ATTR, options)
+        return config
+
+    return create_speculative_config
+
+
+def refuse_unsafe(method: str, speculative_config, parallel_config) -> None:
+    """Combinations our methods cannot serve exactly, refused by name."""
+    import vllm.envs as envs
+
+    where = f"speculative method '{method}' (vllm-plugins)"
+    if envs.VLLM_USE_V2_MODEL_RUNNER:
+        raise ValueError(
+            f"{where} runs on vLLM's V1 model runner, which the plugin's bridge "
+            "extends; VLLM_USE_V2_MODEL_RUNNER=1 selects the V2 runner, where it "
+            "cannot draft. Unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
+    sample_method = getattr(speculative_config, "rejection_sample_method", "standard")
+    if sample_method != "standard":
+        raise ValueError(
+            f"{where} is verified by vLLM's standard rejection sampler, which "
+            "keeps the output exact; rejection_sample_method "
+            f"'{sample_method}' is not supported with it")
+    if parallel_config is not None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size",
+                     "data_parallel_size"):
+            size = int(getattr(parallel_config, name, 1) or 1)
+            if size > 1:
+                raise ValueError(
+                    f"{where} does not yet keep ranks identical: {name}={size} "
+                    "would let ranks draft differently; use 1")
+
+
+def wrap_params_validator(original):
+    # vllm.v1.engine.input_processor.InputProcessor
+    #     ._build_logits_processors_params_validator(self) -> Callable[[SamplingParams], None]
+    # is built once per engine in the front end. With speculative decoding the
+    # V1 runner drops custom logits processors, so a grammar request would be
+    # decoded unconstrained: this engine's validator refuses it instead.
+    @functools.wraps(original)
+    def build_validator(self):
+        validate = original(self)
+        from vllm_plugins.logits_processors.grammar import (
+            engine_drops_processors, refuse_grammar_requests)
+
+        reason = engine_drops_processors(self.vllm_config)
+        if reason is None:
+            return validate
+
+        def validate_or_refuse(params):
+            # vllm.exceptions.VLLMValidationError is what the server answers
+            # with HTTP 400 (vLLM converts validate_params' ValueErrors too).
+            from vllm.exceptions import VLLMValidationError
+
+            try:
+                refuse_grammar_requests(params, reason)
+            except ValueError as e:
+                raise VLLMValidationError(str(e)) from e
+            validate(params)
+
+        return validate_or_refuse
+
+    return build_validator
+
+
+def wrap_lookahead(original: property) -> property:
+    # vllm.config.VllmConfig.num_lookahead_tokens (property): KV slots the
+    # scheduler (allocate_slots) and the worker warmup reserve past the tokens
+    # the target runs. Self-drafting methods write their drafts' K/V there,
+    # as vLLM's EAGLE does.
+    def num_lookahead_tokens(self) -> int:
+        return max(original.fget(self), plugin_lookahead(self.speculative_config))
+
+    return property(num_lookahead_tokens)
+
+
+def plugin_lookahead(speculative_config) -> int:
+    """num_speculative_tokens for our methods that draft with the target's
+    own layers (they write draft K/V); 0 for every other configuration."""
+    options = getattr(speculative_config, PLUGIN_OPTIONS_ATTR, None)
+    if options is None:
+        return 0
+    from vllm_plugins.registry import METHODS
+
+    classes = [METHODS[options["method"]].proposer_class()]
+    # A composing method drafts with its "inner" method's class too.
+    inner = options.get("inner")
+    inner = inner.get("method") if isinstance(inner, dict) else inner
+    if isinstance(inner, str) and inner in METHODS:
+        classes.append(METHODS[inner].proposer_class())
+    if not any(getattr(cls, "SELF_DRAFT", False) for cls in classes):
+        return 0
+    return int(speculative_config.num_speculative_tokens or 0)

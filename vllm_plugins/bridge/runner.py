@@ -1,0 +1,166 @@
+"""The V1 model runner's step, extended for our proposers only.
+
+Each wrapper below first looks for our ``RunnerState`` on the runner and,
+where there is none (plain decoding, vLLM's own drafters), calls vLLM's code
+and does nothing else. Data flow inside one step of a runner that drafts
+with one of our proposers:
+
+  execute_model           -> note the step's start (the cost model's clock)
+  _sample                 -> take the target's top-k per verified row
+                             before vLLM samples (grammar masks applied)
+  propose_draft_token_ids -> build a StepContext keyed by request id and
+                             call proposer.step(ctx) instead of vLLM's call
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+from vllm_plugins.bridge import step
+from vllm_plugins.bridge.state import attach, state_of
+
+
+def is_ours(drafter) -> bool:
+    from vllm_plugins.proposers.base import PluginProposer
+
+    return isinstance(drafter, PluginProposer)
+
+
+def wrap_after_load(original):
+    # GPUModelRunner._setup_eagle3_aux_hidden_state_outputs(self) is called
+    # once, at the end of load_model (GPU and CPU runners), right after
+    # drafter.load_model(model): where a runner whose drafter is ours gets its
+    # state, a self-drafting proposer's target is checked, and a proposer that
+    # learns from the verification pass's intermediate layers (DEL) asks for
+    # them through vLLM's EAGLE-3 route (the model then returns
+    # (hidden, [residual stream after each of model.aux_hidden_state_layers])).
+    @functools.wraps(original)
+    def after_load(self):
+        drafter = getattr(self, "drafter", None)
+        if not is_ours(drafter):
+            return original(self)
+        attach(self, drafter)
+        if getattr(drafter, "SELF_DRAFT", False):
+            from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+            from vllm_plugins.self_draft import check_target
+
+            options = getattr(self.vllm_config.speculative_config,
+                              PLUGIN_OPTIONS_ATTR, None) or {}
+            check_target(self, options.get("method", type(drafter).__name__))
+        layers = tuple(getattr(drafter, "aux_layers", ()) or ())
+        if not layers:
+            return original(self)
+        model = self.get_model()
+        if not hasattr(model, "set_aux_hidden_state_layers"):
+            raise ValueError(
+                f"{type(drafter).__name__} needs the verification pass's "
+                "per-layer hidden states, which this model "
+                f"({type(model).__name__}) cannot return (it lacks vLLM's "
+                "SupportsEagle3 interface)")
+        model.set_aux_hidden_state_layers(layers)
+        self.use_aux_hidden_state_outputs = True
+        return None
+
+    return after_load
+
+
+def wrap_execute_model(original):
+    # GPUModelRunner.execute_model(self, scheduler_output, intermediate_tensors=None)
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        state = state_of(self)
+        if state is None or state.proposer is None:
+            return original(self, *args, **kwargs)
+        state.step_start = now = time.perf_counter()
+        if state.propose_end is not None:
+            state.gap_seconds = now - state.propose_end
+            state.propose_end = None
+        # A step that schedules no tokens returns before drafting, so finish
+        # notices are held here and handed over at the next proposal.
+        scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished:
+            state.finished.update(finished)
+        return original(self, *args, **kwargs)
+
+    return execute_model
+
+
+def wrap_sample(original):
+    # GPUModelRunner._sample(self, logits, spec_decode_metadata) -> SamplerOutput
+    @functools.wraps(original)
+    def _sample(self, logits, spec_decode_metadata):
+        state = state_of(self)
+        if state is None or state.proposer is None or logits is None:
+            return original(self, logits, spec_decode_metadata)
+        step.stash_topk(state, logits, spec_decode_metadata)
+        if step.verifies_nothing(spec_decode_metadata):
+            # With speculation on, vLLM sends every step through the
+            # rejection sampler, drafts or none. A step without drafts has
+            # one logits row per request, exactly what the plain sampler
+            # takes, and its [requests, 1] output is what the rejection
+            # sampler gives for no drafts: the same step with less work.
+            return original(self, logits, None)
+        return original(self, logits, spec_decode_metadata)
+
+    return _sample
+
+
+def wrap_propose(original):
+    # GPUModelRunner.propose_draft_token_ids(self, scheduler_output,
+    #     sampled_token_ids, sampling_metadata, hidden_states,
+    #     sample_hidden_states, aux_hidden_states, spec_decode_metadata,
+    #     common_attn_metadata, slot_mappings) -> list[list[int]]
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids,
+                                sampling_metadata, hidden_states,
+                                sample_hidden_states, aux_hidden_states,
+                                spec_decode_metadata, *args, **kwargs):
+        state = state_of(self)
+        if state is None:
+            return original(self, scheduler_output, sampled_token_ids,
+                            sampling_metadata, hidden_states, sample_hidden_states,
+                            aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+        state.counters.count(sampled_token_ids, (
+            list(spec_decode_metadata.num_draft_tokens)
+            if spec_decode_metadata is not None else None))
+        if state.proposer is None:  # a benchmark counting vLLM's own drafter
+            return original(self, scheduler_output, sampled_token_ids,
+                            sampling_metadata, hidden_states, sample_hidden_states,
+                            aux_hidden_states, spec_decode_metadata, *args, **kwargs)
+        common_attn_metadata = args[0] if args else kwargs.get("common_attn_metadata")
+        try:
+            return step.propose(self, state, scheduler_output, sampled_token_ids,
+                                common_attn_metadata, aux_hidden_states)
+        finally:
+            state.propose_end = time.perf_counter()
+
+    return propose_draft_token_ids
+
+
+# ------------------------------------------------------ worker RPC targets
+# vllm.v1.worker.worker_base.WorkerBase: collective_rpc("name") calls
+# getattr(worker, name)(); string methods need no insecure pickling.
+def add_read_stats(_missing):
+    def vllm_plugins_stats(worker) -> dict:
+        """The runner's step counters and our proposer's metrics ({} when the
+        runner carries nothing of ours)."""
+        state = state_of(worker.model_runner)
+        if state is None:
+            return {}
+        out = state.counters.as_dict()
+        if state.proposer is not None:
+            out["proposer"] = state.proposer.metrics()
+        return out
+
+    return vllm_plugins_stats
+
+
+def add_count_steps(_missing):
+    def vllm_plugins_count_steps(worker) -> None:
+        """Opt-in step counting for a runner whose drafter is vLLM's own (a
+        benchmark's baseline); runners of our proposers always count."""
+        attach(worker.model_runner)
+
+    return vllm_plugins_count_steps

@@ -1,0 +1,83 @@
+"""Our state on a vLLM model runner: one typed object, one attribute.
+
+A runner carries a ``RunnerState`` only when its drafter is one of our
+proposers, or when a benchmark asked it to count steps
+(``WorkerBase.vllm_plugins_count_steps``). Every other runner carries
+nothing of ours, and our wrappers return to vLLM's code at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# The one attribute we set on a runner.
+ATTR = "_vllm_plugins_state"
+
+
+@dataclass
+class TopkStash:
+    """The target's top-k at every verified row of one step, taken in
+    ``_sample`` and read by the next ``propose_draft_token_ids``."""
+
+    num_draft: list[int]  # per request, in batch order
+    draft_ids: np.ndarray | None  # the step's drafts, flat, batch order
+    ids: np.ndarray | None  # [rows, k] token ids, None when k == 0
+    logprobs: np.ndarray | None  # [rows, k]
+    seconds: float  # spent extracting them (0 when k == 0)
+
+
+@dataclass
+class StepCounters:
+    """Drafted / accepted totals over the engine's life (for benchmarks)."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    def count(self, sampled_token_ids, num_draft: list[int] | None) -> None:
+        self.steps += 1
+        if not isinstance(sampled_token_ids, list):
+            return
+        for i, toks in enumerate(sampled_token_ids):
+            self.tokens += len(toks)
+            if num_draft is not None and i < len(num_draft) and toks:
+                self.drafted += num_draft[i]
+                self.accepted += len(toks) - 1
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted,
+                "accepted": self.accepted, "tokens": self.tokens}
+
+
+@dataclass
+class RunnerState:
+    # Our proposer, or None on a runner that only counts steps.
+    proposer: object = None
+    counters: StepCounters = field(default_factory=StepCounters)
+    # perf_counter() at the start of the current execute_model.
+    step_start: float | None = None
+    # perf_counter() when our last proposal returned, and the engine's time
+    # from there to the next execute_model (scheduling, output handling).
+    propose_end: float | None = None
+    gap_seconds: float | None = None
+    # Finished request ids seen since the last proposal: a step that
+    # schedules no tokens returns before drafting.
+    finished: set[str] = field(default_factory=set)
+    topk: TopkStash | None = None
+
+
+def state_of(runner) -> RunnerState | None:
+    return runner.__dict__.get(ATTR)
+
+
+def attach(runner, proposer=None) -> RunnerState:
+    state = state_of(runner)
+    if state is None:
+        state = RunnerState(proposer=proposer)
+        setattr(runner, ATTR, state)
+    elif proposer is not None:
+        state.proposer = proposer
+    return state

@@ -1,0 +1,183 @@
+"""One engine step as our proposers see it, built from the runner's arrays.
+
+These functions read vLLM's runner objects (named field by field, pinned in
+tests/test_bridge_pins.py) but replace nothing: the patches in
+``vllm_plugins.bridge.runner`` call them, and tests call them on stand-in
+runners without an engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vllm_plugins.bridge.state import RunnerState, TopkStash
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.topk import topk_logprobs
+
+
+def verifies_nothing(spec_decode_metadata) -> bool:
+    """SpecDecodeMetadata.max_spec_len: the most drafts of any request."""
+    return spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0
+
+
+def stash_topk(state: RunnerState, logits: torch.Tensor, spec_decode_metadata) -> None:
+    """The target's top-k per verified row, for the next proposal to learn from."""
+    k = state.proposer.topk_wanted()
+    draft_ids = None
+    if spec_decode_metadata is not None:
+        # SpecDecodeMetadata.num_draft_tokens: list[int] per request in batch
+        # order; logits has num_draft + 1 rows per request in that order.
+        num_draft = list(spec_decode_metadata.num_draft_tokens)
+        draft_ids = spec_decode_metadata.draft_token_ids.cpu().numpy()
+    else:
+        num_draft = [0] * logits.shape[0]
+    ids = lps = None
+    start = time.perf_counter()
+    if k > 0:
+        with torch.no_grad():
+            lps, idx = topk_logprobs(logits, k)
+        ids = idx.cpu().numpy().astype(np.int64)
+        lps = lps.cpu().numpy()
+    seconds = time.perf_counter() - start if k > 0 else 0.0
+    state.topk = TopkStash(num_draft, draft_ids, ids, lps, seconds)
+
+
+def take_finished(state: RunnerState, scheduler_output) -> set[str]:
+    """Finished ids held since the last proposal plus this step's own."""
+    finished = state.finished
+    state.finished = set()
+    finished.update(getattr(scheduler_output, "finished_req_ids", ()) or ())
+    return finished
+
+
+def group_of(req_id: str, state) -> str:
+    """Samples of one prompt share a group: vLLM names n>1 children 'i_parent'."""
+    head, sep, tail = req_id.partition("_")
+    if sep and head.isdigit() and getattr(getattr(state, "sampling_params", None),
+                                          "n", 1) == 1 and tail:
+        return tail
+    return req_id
+
+
+def build_context(runner, state: RunnerState, scheduler_output,
+                  sampled_token_ids) -> StepContext:
+    """Re-keys the runner's batch arrays by request id and adds the target's
+    top-k at each verified position.
+
+    Reads InputBatch.req_ids / num_tokens_no_spec / token_ids_cpu /
+    num_prompt_tokens (this step's accepted tokens already counted: vLLM's
+    _bookkeeping_sync runs first) and runner.requests[req_id].sampling_params.
+    """
+    batch = runner.input_batch
+    req_ids = batch.req_ids
+    topk, state.topk = state.topk, None
+    if topk is not None and len(topk.num_draft) != len(req_ids):
+        topk = None  # rows do not line up with this batch: learn nothing
+    num_draft_all = topk.num_draft if topk else [0] * len(req_ids)
+    draft_ids_flat = topk.draft_ids if topk else None
+    row = 0
+    draft_off = 0
+    requests = []
+    for i, req_id in enumerate(req_ids):
+        accepted = np.asarray(sampled_token_ids[i] if i < len(sampled_token_ids)
+                              else [], dtype=np.int64)
+        n = int(batch.num_tokens_no_spec[i])
+        context = batch.token_ids_cpu[i, :n]
+        num_draft = int(num_draft_all[i])
+        drafts = (draft_ids_flat[draft_off:draft_off + num_draft]
+                  if draft_ids_flat is not None else np.zeros(0, np.int64))
+        draft_off += num_draft
+        base = n - len(accepted)  # tokens before this step's output
+        prev = context[base - 1:base] if base > 0 else np.zeros(0, np.int64)
+        verified = np.concatenate([prev.astype(np.int64), drafts.astype(np.int64)])
+        rows = slice(row, row + num_draft + 1)
+        row += num_draft + 1
+        ids = lps = None
+        if topk is not None and topk.ids is not None and len(accepted) > 0:
+            ids, lps = topk.ids[rows], topk.logprobs[rows]
+        req_state = runner.requests.get(req_id)
+        params = getattr(req_state, "sampling_params", None)
+        temperature = float(getattr(params, "temperature", 0.0) or 0.0)
+        requests.append(RequestStep(
+            req_id=req_id,
+            accepted=accepted,
+            context=context,
+            num_prompt_tokens=int(batch.num_prompt_tokens[i]),
+            num_draft=num_draft if len(accepted) > 0 else 0,
+            verified_tokens=verified,
+            topk_ids=ids,
+            topk_logprobs=lps,
+            temperature=temperature,
+            sampling_params=params,
+            group_id=group_of(req_id, req_state),
+        ))
+    gap, state.gap_seconds = state.gap_seconds, None
+    return StepContext(
+        requests=requests,
+        finished=take_finished(state, scheduler_output),
+        max_draft=state.proposer.max_draft,
+        last_step_seconds=(time.perf_counter() - state.step_start
+                           if state.step_start else None),
+        last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
+        last_topk_seconds=topk.seconds if topk is not None else None,
+        last_gap_seconds=gap,
+    )
+
+
+def add_self_draft(runner, proposer, ctx: StepContext, common_attn_metadata,
+                   aux_hidden_states) -> None:
+    """The target's layers, and where each request's verified rows are.
+
+    CommonAttentionMetadata (the step's, as the runner passes it to
+    propose_draft_token_ids): block_table_tensor rows follow the batch order;
+    query_start_loc_cpu gives each request's scheduled token rows, whose last
+    num_draft + 1 were verified.
+    """
+    from vllm_plugins.self_draft import TargetLayers
+
+    ctx.target = TargetLayers(runner, common_attn_metadata.block_table_tensor)
+    qsl = common_attn_metadata.query_start_loc_cpu.numpy()
+    for i, req in enumerate(ctx.requests):
+        if i + 1 < len(qsl) and not req.in_prefill:
+            end = int(qsl[i + 1])
+            req.verify_rows = np.arange(end - req.num_draft - 1, end)
+    if aux_hidden_states:
+        # The model appends streams in layer order (set_aux_hidden_state_layers
+        # stores the sorted set).
+        layers = sorted(set(getattr(proposer, "aux_layers", ())))
+        ctx.aux_streams = dict(zip(layers, aux_hidden_states))
+
+
+def set_draft_probs(runner, drafts: Drafts, ctx: StepContext) -> None:
+    # GPUModelRunner._draft_probs [num_reqs, max_draft, vocab] and
+    # _draft_prob_req_ids: read by _get_spec_decode_draft_probs() next step and
+    # handed to the rejection sampler. Only used when some request has probs.
+    if drafts.probs is None or not any(p is not None and len(p) for p in drafts.probs):
+        return
+    vocab = runner.input_batch.vocab_size
+    out = torch.zeros(len(ctx.requests), ctx.max_draft, vocab, dtype=torch.float32)
+    for i, (p, t) in enumerate(zip(drafts.probs, drafts.tokens)):
+        if p is None:
+            # A deterministic draft: all mass on the drafted token.
+            for j, tok in enumerate(t):
+                out[i, j, int(tok)] = 1.0
+        else:
+            out[i, :len(p)] = torch.from_numpy(np.asarray(p, dtype=np.float32))
+    runner._draft_probs = out.to(runner.device)
+    runner._draft_prob_req_ids = list(runner.input_batch.req_ids)
+
+
+def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
+            common_attn_metadata=None, aux_hidden_states=None) -> list[list[int]]:
+    """Our proposer's drafts for this step, in batch order."""
+    proposer = state.proposer
+    ctx = build_context(runner, state, scheduler_output, sampled_token_ids)
+    if getattr(proposer, "SELF_DRAFT", False) and common_attn_metadata is not None:
+        add_self_draft(runner, proposer, ctx, common_attn_metadata, aux_hidden_states)
+    drafts: Drafts = proposer.step(ctx)
+    tokens = [list(map(int, t)) for t in drafts.tokens]
+    set_draft_probs(runner, drafts, ctx)
+    return tokens

@@ -1,0 +1,104 @@
+"""Every vLLM internal this package touches, in one list.
+
+``PATCHES`` are the attributes we replace or add, each a named
+``vllm_plugins.bridge.patching.Patch`` with its reason and pin test;
+``vllm_plugins.bridge.install`` applies them in this order. ``RELIED_ON``
+are the vLLM internals we read without replacing them (fields, call order,
+helpers). ``vllm_names`` lists both: what a new vLLM release must keep, and
+what ``scripts/`` compares between two releases.
+"""
+
+from __future__ import annotations
+
+from vllm_plugins.bridge import config, cpu_fixes, runner
+from vllm_plugins.bridge.patching import Patch
+
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_PINS = "tests/test_bridge_pins.py::"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch("config.speculative_method",
+          "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+          "our method names become vLLM's custom_class route; our options are "
+          "validated and ride the config to the workers; unsafe combinations "
+          "are refused before a model loads",
+          _PINS + "test_engine_args_builds_speculative_config_after_plugins",
+          config.wrap_create_speculative_config),
+    Patch("config.grammar_request_refusal",
+          "vllm.v1.engine.input_processor:InputProcessor"
+          "._build_logits_processors_params_validator",
+          "a grammar request that a speculating engine would decode "
+          "unconstrained is refused (HTTP 400) instead",
+          _PINS + "test_params_validator_is_built_per_engine",
+          config.wrap_params_validator),
+    Patch("config.self_draft_lookahead",
+          "vllm.config:VllmConfig.num_lookahead_tokens",
+          "the scheduler reserves KV slots for drafts that self-drafting "
+          "methods write",
+          _PINS + "test_lookahead_is_a_config_property_read_by_scheduler_and_warmup",
+          config.wrap_lookahead),
+    Patch("runner.after_load", _RUNNER + "._setup_eagle3_aux_hidden_state_outputs",
+          "runs once after drafter.load_model: attaches our runner state, "
+          "checks a self-drafting target, requests DEL's per-layer streams",
+          _PINS + "test_aux_hidden_state_route",
+          runner.wrap_after_load),
+    Patch("runner.step_clock", _RUNNER + ".execute_model",
+          "times each step for the cost model and holds finish notices of "
+          "steps that schedule nothing",
+          _PINS + "test_runner_methods_keep_their_signatures",
+          runner.wrap_execute_model),
+    Patch("runner.verified_topk", _RUNNER + "._sample",
+          "takes the target's top-k at every verified row; a step with no "
+          "drafts takes the plain sampler",
+          _PINS + "test_a_step_without_drafts_can_take_the_plain_sampler",
+          runner.wrap_sample),
+    Patch("runner.propose", _RUNNER + ".propose_draft_token_ids",
+          "our proposers see a StepContext keyed by request id and may give "
+          "draft probabilities",
+          _PINS + "test_runner_calls_drafter_after_bookkeeping_with_valid_tokens",
+          runner.wrap_propose),
+    Patch("worker.stats", "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_stats",
+          "collective_rpc target: step counters and proposer metrics",
+          _PINS + "test_custom_class_route_and_worker_rpc",
+          runner.add_read_stats, adds=True),
+    Patch("worker.count_steps",
+          "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_count_steps",
+          "collective_rpc target: a benchmark counts vLLM's own drafters too",
+          _PINS + "test_custom_class_route_and_worker_rpc",
+          runner.add_count_steps, adds=True),
+    Patch("cpu.expand_batch_to_tokens",
+          "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
+          "vLLM's CPU build without Triton leaves per-request sampling "
+          "parameters uninitialised on draft rows",
+          _PINS + "test_cpu_expand_batch_to_tokens_fix",
+          cpu_fixes.replace_expand_batch_to_tokens, when=cpu_fixes.no_triton),
+)
+
+# Read, not replaced: each pinned in tests/test_bridge_pins.py.
+RELIED_ON: tuple[str, ...] = (
+    _RUNNER + ".sample_tokens",
+    _RUNNER + "._bookkeeping_sync",
+    _RUNNER + "._get_spec_decode_draft_probs",
+    _RUNNER + ".get_model",
+    _RUNNER + ".load_model",
+    "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
+    "vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
+    "vllm.v1.core.sched.output:SchedulerOutput",
+    "vllm.v1.spec_decode.custom_class_proposer:create_custom_proposer",
+    "vllm.v1.spec_decode.ngram_proposer:_find_longest_matched_ngram_and_propose_tokens",
+    "vllm.engine.arg_utils:EngineArgs.__post_init__",
+    "vllm.config.speculative:SpeculativeConfig",
+    "vllm.v1.engine.input_processor:InputProcessor.__init__",
+    "vllm.forward_context:set_forward_context",
+    "vllm.v1.attention.backend:CommonAttentionMetadata",
+    "vllm.v1.worker.utils:AttentionGroup.build_metadata",
+    "vllm.model_executor.layers.attention.attention:unified_kv_cache_update",
+    "vllm.model_executor.models.llama:LlamaDecoderLayer.__init__",
+    "vllm.model_executor.models.llama:LlamaModel.embed_input_ids",
+)
+
+
+def vllm_names() -> list[str]:
+    """Every vLLM name we patch or rely on, as ``module:qualname``."""
+    return [p.target for p in PATCHES] + list(RELIED_ON)
