@@ -24,8 +24,9 @@ class AdaptiveNgramProposer(PluginProposer):
     DEFAULT_NUM_SPECULATIVE_TOKENS = 5
     CAN_REST = True   # a lookup in each request's context, no state
 
-    def __init__(self, vllm_config=None, options: dict | None = None):
-        super().__init__(vllm_config, options)
+    def __init__(self, vllm_config=None, options: dict | None = None,
+                 vocab_size: int | None = None):
+        super().__init__(vllm_config, options, vocab_size)
         lo, hi = self.options["prompt_lookup_min"], self.options["prompt_lookup_max"]
         if lo > hi:
             raise ValueError(f"ngram_adaptive option prompt_lookup_min={lo} must be "
