@@ -68,10 +68,14 @@ def parse_inner(value: Any) -> tuple[str | None, dict]:
     from vllm_plugins.options import resolve
     from vllm_plugins.registry import METHODS
 
-    allowed = sorted(m for m in METHODS if m != _METHOD)
-    if name not in allowed:
+    if name not in METHODS:
+        allowed = [m for m in sorted(METHODS) if why_not_inner(m) is None]
         raise ValueError(f"speculative_config option 'inner' of method '{_METHOD}' "
                          f"must be one of {allowed}, got {name!r}")
+    reason = why_not_inner(name)
+    if reason is not None:
+        raise ValueError(f"speculative_config option 'inner' of method '{_METHOD}' "
+                         f"cannot be {name!r}: {reason}")
     cls = METHODS[name].proposer_class()
     where = f"{name}' (inner of '{_METHOD}"  # reads: method 'x' (inner of 'grammar')
     resolved = resolve(where, cls.OPTIONS, opts)
@@ -80,6 +84,31 @@ def parse_inner(value: Any) -> tuple[str | None, dict]:
 
         resolve_options(resolved["draft_length"], resolved["draft_length_options"])
     return name, opts
+
+
+def why_not_inner(name: str) -> str | None:
+    """Why registered method ``name`` cannot run inside the grammar proposer,
+    or None when it can. The grammar proposer builds its inner as
+    ``Class(vllm_config, options=..., vocab_size=...)`` and drives it through
+    ``PluginProposer``'s interface only, so that is all an inner needs."""
+    import inspect
+
+    from vllm_plugins.registry import METHODS
+
+    try:
+        cls = METHODS[name].proposer_class()
+    except Exception as e:  # noqa: BLE001 - a method that cannot load is refused
+        return f"its class {METHODS[name].class_path} cannot be loaded ({type(e).__name__}: {e})"
+    if not (isinstance(cls, type) and issubclass(cls, PluginProposer)):
+        return f"{METHODS[name].class_path} is not a vllm_plugins PluginProposer"
+    if any(o.name == "inner" for o in cls.OPTIONS):
+        return "it wraps an inner proposer itself, and composition is one level deep"
+    try:
+        inspect.signature(cls).bind(None, options={}, vocab_size=None)
+    except TypeError:
+        return (f"{cls.__name__} does not take PluginProposer's constructor "
+                "arguments (vllm_config, options, vocab_size)")
+    return None
 
 
 def _check_inner(value: Any) -> bool:
@@ -250,26 +279,15 @@ class GrammarProposer(PluginProposer):
 
     def _continuation(self, r: RequestStep):
         """More inner tokens after a draft prefix the inner draft did not start
-        with: ``continue_draft(request, prefix, n)`` when the inner proposer has
-        one; Token Recycling's table walk from the extended tail."""
+        with, through ``PluginProposer.continue_draft``."""
         inner = self.inner
         if inner is None:
             return None
-        fn = getattr(inner, "continue_draft", None)
-        if fn is not None:
-            return lambda prefix, n: list(fn(r, prefix, n))
-        tables = getattr(inner, "tables", None)
-        if tables is not None and hasattr(tables, "chain"):
-            # TokenRecyclingProposer: RecyclingTables.chain(tail, length, min_confidence)
-            order = max(int(tables.context_order), 1)
-            min_conf = float(inner.options.get("min_confidence", 0.0))
-            context = [int(t) for t in r.context[-order:]]
 
-            def walk(prefix: list[int], n: int) -> list[int]:
-                tail = (context + prefix)[-order:]
-                return tables.chain(tail, n, min_conf)[0]
-            return walk
-        return None
+        def more(prefix: list[int], n: int) -> list[int]:
+            return [int(t) for t in inner.continue_draft(
+                r, np.asarray(prefix, dtype=np.int64), n)]
+        return more
 
     @staticmethod
     def _confidence(toks, forced, inner_toks, inner_conf):

@@ -172,6 +172,20 @@ def test_forced_then_inner_then_forced(tok):
     assert d.tokens[0] == ids[1:2]
 
 
+def test_inner_that_cannot_continue_ends_the_draft(tok):
+    """PluginProposer's default continue_draft gives nothing: the draft ends
+    after the forced text that follows the inner's own tokens."""
+    class NoContinuation(FixedInner):
+        continue_draft = PluginProposer.continue_draft
+
+    inner = NoContinuation()
+    p = make(tok, inner, max_draft=10)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    inner.next = [ids[1:8]]
+    d = run(p, Req(tok, so_params(json=SCHEMA)).step(ids[:1]))
+    assert d.tokens[0] == ids[1:9]  # forced 'name', the inner's 6, forced 'age'
+
+
 def test_draft_leaves_matcher_where_it_was(tok):
     inner = FixedInner()
     p = make(tok, inner)
