@@ -53,3 +53,21 @@ def test_declared_option_wins_over_vllm_field_of_same_name():
 def test_bad_option_names_itself(bad, name):
     with pytest.raises(ValueError, match=name):
         translate({"method": "token_recycling", **bad})
+
+
+@pytest.mark.parametrize("version", ["0.32.0+cpu", "0.32.1", "0.33.0",
+                                     "0.33.2.dev7+g1234abc"])
+def test_version_gate_admits_checked_minors(version):
+    from vllm_plugins import check_vllm_version
+
+    check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "0.34.0rc1", "1.0.0",
+                                     "not-a-version"])
+def test_version_gate_names_both_versions(version):
+    from vllm_plugins import check_vllm_version
+
+    with pytest.raises(RuntimeError, match=r">=0\.32,<0\.34") as err:
+        check_vllm_version(version)
+    assert version in str(err.value)
