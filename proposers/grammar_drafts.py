@@ -85,12 +85,6 @@ class RequestGrammar:
             return []
         return tokens[:self.matcher.validate_tokens(tokens)]
 
-    def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of ``tokens`` the grammar accepts from the current state."""
-        if not tokens or self.matcher.is_stopped():
-            return 0
-        return int(self.matcher.validate_tokens([int(t) for t in tokens]))
-
     def draft(self, budget: int, inner: Sequence[int] = (), recent: Sequence[int] = (),
               continuation: Continuation | None = None) -> tuple[list[int], list[bool]]:
         """Forced tokens, then the inner draft, alternating, checked by the
