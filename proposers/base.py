@@ -16,14 +16,16 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import Option
+from vllm_plugins.proposers.draft_length import draft_length_options, make_controller
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")
 
 
 class PluginProposer:
-    # Method-specific options: tuple[Option, ...]; see vllm_plugins.options.
-    OPTIONS: tuple[Option, ...] = ()
+    # Declared options, see vllm_plugins.options: every method takes the
+    # draft-length options, and a subclass adds its own after them.
+    OPTIONS: tuple[Option, ...] = draft_length_options()
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
     # How many of the target's top-k per verified position the bridge extracts
     # (0: the method does not learn from logits).
@@ -56,6 +58,9 @@ class PluginProposer:
         self.controller = self._make_controller()
         if self.controller is not None:
             self.controller.can_rest = self.CAN_REST
+        # What the controller observed of the step being drafted (its
+        # max_length reads it); None outside a step.
+        self._observation = None
         self.num_errors = 0
         self._logged_error = False
         self._last_propose_seconds: float | None = None  # the engine waits for it
@@ -92,15 +97,13 @@ class PluginProposer:
         try:
             for req_id in ctx.finished:
                 self.free(req_id)
-            if self.controller is not None:
-                self.controller.observe(ctx)
-                if self.controller.resting:
-                    return Drafts([[] for _ in ctx.requests])
+            if self.controller is None:
+                return self.draft(ctx)
+            observation = self._observation = self.controller.observe(ctx)
+            if observation.resting:
+                return Drafts([[] for _ in ctx.requests])
             drafts = self.draft(ctx)
-            if self.controller is not None:
-                keep = self.controller.decide(ctx, drafts)
-                drafts = trim(drafts, keep)
-            return drafts
+            return trim(drafts, self.controller.decide(ctx, drafts, observation))
         except Exception:  # a proposer bug costs drafts, never the engine
             self.num_errors += 1
             if not self._logged_error:
@@ -109,6 +112,8 @@ class PluginProposer:
                                  "(logged once, counted in num_errors)",
                                  type(self).__name__)
             return Drafts([[] for _ in ctx.requests])
+        finally:
+            self._observation = None
 
     def draft(self, ctx: StepContext) -> Drafts:
         raise NotImplementedError
@@ -134,8 +139,8 @@ class PluginProposer:
     def draft_budget(self, ctx: StepContext, req_id: str) -> int:
         """The most tokens worth drafting for a request this step."""
         length = ctx.max_draft
-        if self.controller is not None and hasattr(self.controller, "max_length"):
-            length = min(length, self.controller.max_length(req_id))
+        if self._observation is not None:
+            length = min(length, self.controller.max_length(req_id, self._observation))
         return length
 
     def drafting_requests(self, ctx: StepContext):
@@ -144,7 +149,7 @@ class PluginProposer:
         A request in (chunked) prefill emitted no token this step, so there
         is no last token to draft after: its row keeps the caller's empty
         draft. Budgets are read lazily, one request at a time between the
-        caller's drafts, because a controller's ``max_length`` may keep state.
+        caller's drafts: ``max_length`` notes the requests it bounds to none.
         """
         for i, r in enumerate(ctx.requests):
             if not r.in_prefill:
@@ -155,7 +160,7 @@ class PluginProposer:
 
     def metrics(self) -> dict:
         out = {"num_errors": self.num_errors}
-        if self.controller is not None and hasattr(self.controller, "stats"):
+        if self.controller is not None:
             out["draft_length"] = self.controller.stats()
         return out
 
@@ -163,10 +168,7 @@ class PluginProposer:
         name = self.options["draft_length"]
         if name == "fixed":
             return None
-        from vllm_plugins.proposers.controllers import make_controller
-
-        return make_controller(name, self.options.get("draft_length_options") or {},
-                               self.max_draft)
+        return make_controller(name, self.options["draft_length_options"], self.max_draft)
 
 
 def trim(drafts: Drafts, keep: list[int]) -> Drafts:
@@ -179,6 +181,3 @@ def trim(drafts: Drafts, keep: list[int]) -> Drafts:
         conf = [None if c is None else c[:k] for c, k in zip(drafts.confidence, keep)]
     return Drafts(tokens, probs, conf)
 
-
-def empty_int() -> np.ndarray:
-    return np.zeros(0, dtype=np.int64)

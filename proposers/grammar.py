@@ -80,9 +80,9 @@ def parse_inner(value: Any) -> tuple[str | None, dict]:
     where = f"{name}' (inner of '{_METHOD}"  # reads: method 'x' (inner of 'grammar')
     resolved = resolve(where, cls.OPTIONS, opts)
     if resolved["draft_length"] != "fixed":
-        from vllm_plugins.proposers.controllers import resolve_options
+        from vllm_plugins.proposers.draft_length import policy_options
 
-        resolve_options(resolved["draft_length"], resolved["draft_length_options"])
+        policy_options(resolved["draft_length"], resolved["draft_length_options"])
     return name, opts
 
 
@@ -118,6 +118,7 @@ def _check_inner(value: Any) -> bool:
 
 class GrammarProposer(PluginProposer):
     OPTIONS = (
+        *PluginProposer.OPTIONS,
         Option("inner", None, (str, dict, type(None)), _check_inner,
                "a method name or a dict with 'method' and its options"),
     )

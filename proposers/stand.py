@@ -45,7 +45,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from vllm_plugins.options import Option, unit_float
+from vllm_plugins.options import Option, flag, integer, number, unit_float
 from vllm_plugins.proposers.base import PluginProposer, trim
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
@@ -287,16 +287,20 @@ class KindCalibration:
 
 class StandProposer(PluginProposer):
     OPTIONS = (
-        Option("topk", 8, int, lambda v: 1 <= v <= 64, "an integer in [1, 64]"),
-        Option("max_order", 3, int, lambda v: 1 <= v <= 8, "an integer in [1, 8]"),
+        *PluginProposer.OPTIONS,
+        integer("topk", 8, 1, 64),
+        integer("max_order", 3, 1, 8),
         unit_float("min_path_prob", 0.1),
-        Option("calibrate", True, bool),
-        Option("prompt_prob", 0.5, (int, float), lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-        Option("history", 16, int, lambda v: v >= 1, "an integer >= 1"),
-        Option("max_entries", 1 << 18, int, lambda v: v >= 256, "an integer >= 256"),
-        Option("max_stores", 64, int, lambda v: v >= 1, "an integer >= 1"),
+        flag("calibrate", True),
+        number("prompt_prob", 0.5, 0.0, 1.0, lo_open=True),
+        integer("history", 16, 1, 1 << 16),
+        # An entry at most: topk (int32, float32) pairs and a weight, twice
+        # over while its arrays double, plus its LRU index node (module doc).
+        integer("max_entries", 1 << 18, 256, 1 << 26,
+                table_bytes=lambda o: o["max_entries"] * (2 * (8 * o["topk"] + 4) + 200)),
+        integer("max_stores", 64, 1, 1 << 16),
         Option("share", "prompt", str, choices=("prompt", "group", "request")),
-        Option("seed", 0, int, lambda v: v >= 0, "an integer >= 0"),
+        integer("seed", 0, 0, None),
         # TEST ONLY: "uniform" hands vLLM a uniform row over the drafted
         # distribution's support instead of the distribution the token was
         # drawn from. That is dishonest and biases sampled output; it exists so

@@ -26,8 +26,9 @@ import os
 
 import numpy as np
 
-from vllm_plugins.options import GOODPUT_BY_DEFAULT, Option, positive_int, unit_float
+from vllm_plugins.options import Option, flag, integer, positive_int, unit_float
 from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.step_context import Drafts, StepContext
 
 _MASK = (1 << 63) - 1
@@ -185,13 +186,15 @@ class RecyclingTables:
 
 class TokenRecyclingProposer(PluginProposer):
     OPTIONS = (
-        GOODPUT_BY_DEFAULT,
-        positive_int("topk", 8),
-        Option("context_order", 3, int, lambda v: 1 <= v <= 8, "in [1, 8]"),
-        Option("context_slots", 1 << 20, int, lambda v: v >= 1024,
-               "an integer >= 1024"),
+        *draft_length_options("goodput"),
+        positive_int("topk", 8, 64),
+        integer("context_order", 3, 1, 8),
+        # A context slot is a key, a token and a log-probability: 16 bytes.
+        integer("context_slots", 1 << 20, 1024, 1 << 30,
+                table_bytes=lambda o: 16 * o["context_slots"] if o["context_order"] >= 2
+                else 16),
         unit_float("min_confidence", 0.02),
-        Option("seed_from_prompt", True, bool),
+        flag("seed_from_prompt", True),
         Option("warm_start_path", None, (str, type(None))),
         Option("save_path", None, (str, type(None))),
     )

@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_plugins.options import GOODPUT_BY_DEFAULT, positive_int
+from vllm_plugins.options import positive_int
 from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.step_context import Drafts, StepContext
 
 
 class AdaptiveNgramProposer(PluginProposer):
     OPTIONS = (
-        GOODPUT_BY_DEFAULT,
-        positive_int("prompt_lookup_min", 2),
-        positive_int("prompt_lookup_max", 5),
+        *draft_length_options("goodput"),
+        positive_int("prompt_lookup_min", 2, 64),
+        positive_int("prompt_lookup_max", 5, 64),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 5
     CAN_REST = True   # a lookup in each request's context, no state

@@ -267,10 +267,8 @@ def simulator_runs() -> dict:
     """Every policy on the simulator's scenarios, shortened."""
     from dataclasses import replace
 
-    try:
-        from vllm_plugins.proposers.draft_length import simulator as sim
-    except ImportError:
-        from vllm_plugins.proposers import controllers_sim as sim
+    from vllm_plugins.proposers.draft_length import simulator as sim
+
     out = {}
     for sc in sim.SCENARIOS:
         for policy in ("fixed", "acceptance", "confidence", "goodput", "oracle"):

@@ -205,10 +205,10 @@ def test_cpu_linears_keep_32_kernels_per_token_count():
     from vllm.model_executor.layers import utils
 
     from vllm_plugins.bench.kernel_sizes import measure
-    from vllm_plugins.proposers.controllers import POLICY_OPTIONS
+    from vllm_plugins.proposers.draft_length import policy_options
 
     assert "ops.create_onednn_mm(origin_weight.t(), 32)" in inspect.getsource(utils)
-    assert POLICY_OPTIONS["goodput"]["shape_cache"].default == 32
+    assert policy_options("goodput", None)["shape_cache"] == 32
     out = measure([3, 5], in_features=8, out_features=16, cache=4, repeats=2)
     assert [r["rows"] for r in out["per_size"]] == [3, 5]
     assert all(r["first_us"] > 0 and r["cached_us"] > 0 for r in out["per_size"])

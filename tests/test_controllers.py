@@ -12,11 +12,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from vllm_plugins.proposers import controllers as ctl
-from vllm_plugins.proposers import controllers_sim as sim
+from vllm_plugins.proposers.draft_length import (POLICIES as ALL_POLICIES, goodput_allocation,
+                                                 make_controller, policy_options)
+from vllm_plugins.proposers.draft_length import simulator as sim
+from vllm_plugins.proposers.draft_length.calibration import PrefixCalibrator
+from vllm_plugins.proposers.draft_length.rest import ModeRates, _mode_record
+from vllm_plugins.proposers.draft_length.slots import RequestSlots
+from vllm_plugins.proposers.draft_length.step_cost import RecentSizes, StepCostModel
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
-
-make_controller = ctl.make_controller
 
 D = 6
 _E = np.zeros(0, dtype=np.int64)
@@ -47,7 +50,7 @@ class World:
         # A runtime that keeps kernels for the last 32 token counts and pays
         # new_shape_cost for any other count.
         self.new_shape_cost = new_shape_cost
-        self.kernels = ctl.RecentSizes(32)
+        self.kernels = RecentSizes(32)
         self.batch = batch
         self.cost = cost
         self.noise = noise
@@ -75,12 +78,13 @@ class World:
         if self.proposer is not None:
             keep = np.array([len(t) for t in self.proposer.step(ctx).tokens])
         else:
-            self.c.observe(ctx)
+            observation = self.c.observe(ctx)
             conf = None
             if confidence is not None:
                 conf = [np.full(self.d, confidence, np.float32) for _ in range(self.batch)]
             keep = np.asarray(self.c.decide(
-                ctx, Drafts([[DRAFT_TOKEN] * self.d] * self.batch, confidence=conf)))
+                ctx, Drafts([[DRAFT_TOKEN] * self.d] * self.batch, confidence=conf),
+                observation))
         assert keep.shape == (self.batch,)
         assert ((keep >= 0) & (keep <= self.d)).all()
         draws = self.rng.random((self.batch, self.d)) < alpha[:, None]
@@ -94,13 +98,19 @@ class World:
         t = a + b * self.tokens + c * self.batch + (d[0] if d and keep.any() else 0.0)
         if self.kernels.touch(self.tokens):
             t += self.new_shape_cost
-        if not self.c.resting:
+        if not resting(self.c):
             t += self.awake_cost
         self.seconds = t * (1.0 + self.noise * self.rng.normal()) if self.noise else t
         return keep
 
     def run(self, alpha, steps: int, **kw) -> np.ndarray:
         return np.array([self.step(alpha, **kw) for _ in range(steps)])
+
+
+def resting(c) -> bool:
+    """Whether the controller's current step rests (goodput only)."""
+    rest = getattr(c, "rest", None)
+    return bool(rest is not None and rest.resting)
 
 
 def _controller(policy: str, **opts):
@@ -115,9 +125,8 @@ POLICIES = ("acceptance", "confidence", "goodput")
 # ----------------------------------------------------------------- options
 
 def test_factory_names_defaults_and_errors():
-    assert set(ctl.controller_names()) == {"fixed", "acceptance", "confidence", "goodput"}
-    assert make_controller(None, None, 4).name == "goodput"
-    for name in ctl.controller_names():
+    assert set(ALL_POLICIES) == {"fixed", "acceptance", "confidence", "goodput"}
+    for name in ALL_POLICIES:
         assert make_controller(name, {}, D).name == name
     with pytest.raises(ValueError, match="bogus"):
         make_controller("bogus", {}, D)
@@ -141,19 +150,19 @@ def test_factory_names_defaults_and_errors():
         make_controller("goodput", ["half_life", 2], D)
     with pytest.raises(ValueError, match="max_draft"):
         make_controller("goodput", {}, 0)
-    c = ctl.controller_from_config({"policy": "confidence", "threshold": 0.5}, D)
+    c = make_controller("confidence", {"threshold": 0.5}, D)
     assert c.name == "confidence" and c.options["threshold"] == 0.5
-    assert ctl.controller_from_config("fixed", D).name == "fixed"
+    assert policy_options("confidence", None)["threshold"] == 0.3
     with pytest.raises(ValueError, match="seed"):
-        ctl.controller_from_config({"policy": "goodput", "seed": -3}, D)
+        make_controller("goodput", {"seed": -3}, D)
 
 
 def test_fixed_keeps_all_and_empty_batch():
     c = make_controller("fixed", {}, D)
     ctx = StepContext([_req("a", 0, 0), _req("b", 0, 0)], max_draft=D)
-    c.observe(ctx)
-    assert c.decide(ctx, Drafts([[1, 2, 3], []])) == [3, 0]
-    assert c.decide(StepContext([]), Drafts([])) == []
+    assert c.decide(ctx, Drafts([[1, 2, 3], []]), c.observe(ctx)) == [3, 0]
+    empty = StepContext([])
+    assert c.decide(empty, Drafts([]), c.observe(empty)) == []
     s = c.stats()
     assert s["decisions"] == 1 and s["no_draft"] == 1
     assert s["k_histogram"] == [0, 0, 0, 1, 0, 0, 0]   # rows with no draft are not choices
@@ -162,9 +171,9 @@ def test_fixed_keeps_all_and_empty_batch():
 def test_decide_rejects_misaligned_drafts():
     c = _controller("acceptance")
     ctx = StepContext([_req("a", 0, 0)], max_draft=D)
-    c.observe(ctx)
+    observation = c.observe(ctx)
     with pytest.raises(ValueError, match="rows"):
-        c.decide(ctx, Drafts([[1], [2]]))
+        c.decide(ctx, Drafts([[1], [2]]), observation)
 
 
 # ----------------------------------------------------------- the policies
@@ -280,14 +289,14 @@ def test_calibration_learns_an_overconfident_proposer():
 def test_confidence_threshold_trims_by_cumulative_product():
     c = _controller("confidence", threshold=0.4)
     ctx = StepContext([_req("a", 0, 0), _req("b", 0, 0)], max_draft=D)
-    c.observe(ctx)
+    observation = c.observe(ctx)
     conf = [np.array([0.9, 0.9, 0.9, 0.9, 0.9, 0.9]), None]
-    keep = c.decide(ctx, Drafts([[1] * 6, [1] * 6], confidence=conf))
+    keep = c.decide(ctx, Drafts([[1] * 6, [1] * 6], confidence=conf), observation)
     # a fresh calibrator trusts raw confidence: 0.9^8 = 0.43 >= 0.4 > 0.9^9,
     # clipped to 6 drafts; row b has none: history prior (0.6) -> 0.6 >= 0.4 > 0.36
     assert keep == [6, 1]
     conf = [np.array([0.9, 0.8, 0.3, 0.9, 0.9, 0.9]), None]
-    keep = c.decide(ctx, Drafts([[1] * 6, [1] * 6], confidence=conf))
+    keep = c.decide(ctx, Drafts([[1] * 6, [1] * 6], confidence=conf), observation)
     assert keep[0] == 2                           # 0.9*0.8 = .72; *0.3 = .22 < .4
 
 
@@ -302,7 +311,7 @@ def test_goodput_uses_confidence_when_given():
 
 def test_cost_model_recovers_a_linear_curve():
     rng = np.random.default_rng(0)
-    m = ctl.StepCostModel(cost_features="tokens", warmup=16)
+    m = StepCostModel(cost_features="tokens", warmup=16)
     assert not m.warm
     for _ in range(300):
         tok = int(rng.integers(1, 400))
@@ -315,7 +324,7 @@ def test_cost_model_recovers_a_linear_curve():
 
 def test_cost_model_with_batch_term_outliers_and_nonnegativity():
     rng = np.random.default_rng(1)
-    m = ctl.StepCostModel(cost_features="tokens+batch", cost_window=256)
+    m = StepCostModel(cost_features="tokens+batch", cost_window=256)
     for i in range(400):
         batch = int(rng.integers(1, 64))
         tok = batch * int(rng.integers(1, 8))
@@ -328,7 +337,7 @@ def test_cost_model_with_batch_term_outliers_and_nonnegativity():
     assert abs(co["per_request_s"] - 0.002) / 0.002 < 0.15, co
     assert abs(co["intercept_s"] - 0.01) < 0.004, co
     assert co["outliers_dropped"] > 0
-    flat = ctl.StepCostModel(cost_features="tokens")
+    flat = StepCostModel(cost_features="tokens")
     for i in range(100):
         tok = int(rng.integers(1, 400))
         flat.observe(tok, 1, 0.03 - 1e-6 * tok + 0.001 * rng.normal())  # falls slightly
@@ -358,7 +367,7 @@ def test_cost_model_nonnegative_fit_is_the_best_nonnegative_subset_fit():
         x = np.column_stack([np.ones(n)] + [rng.random(n) * rng.integers(1, 100)
                                             for _ in range(p - 1)])
         y = x @ rng.normal(size=p) * 0.01 + 0.01 * rng.normal(size=n)
-        got, want = ctl.StepCostModel._nnls(x, y), _nnls_by_subsets(x, y)
+        got, want = StepCostModel._nnls(x, y), _nnls_by_subsets(x, y)
         assert (got >= 0).all()
         np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-12)
         clipped += int((want == 0).any())
@@ -370,11 +379,11 @@ def test_cost_model_fits_the_cost_of_a_verifying_step():
     (measured on the CPU default at batch 16: about 6 ms on 80 ms). The fit
     recovers d, and leaves it at 0 until both kinds of step were seen."""
     rng = np.random.default_rng(2)
-    m = ctl.StepCostModel(cost_features="tokens+batch")
+    m = StepCostModel(cost_features="tokens+batch")
     for _ in range(16):
         tok = int(rng.integers(17, 112))
         m.observe(tok, 16, 0.074 + 0.001 * tok + 0.006, True)
-    assert m.warm and m.switch_s == 0.0          # only verifying steps so far
+    assert m.warm and m.verify_step_s == 0.0          # only verifying steps so far
     for _ in range(300):
         ver = bool(rng.random() < 0.6)
         tok = 16 + (16 * int(rng.integers(1, 7)) if ver else 0)
@@ -383,7 +392,7 @@ def test_cost_model_fits_the_cost_of_a_verifying_step():
     co = m.coefficients()
     assert abs(co["verify_step_s"] - 0.006) < 0.0015, co
     assert abs(co["per_token_s"] - 0.001) / 0.001 < 0.05, co
-    off = ctl.StepCostModel(switch_cost=False)
+    off = StepCostModel(verify_step_cost=False)
     for _ in range(64):
         ver = bool(rng.random() < 0.6)
         tok = 16 + (16 * int(rng.integers(1, 7)) if ver else 0)
@@ -401,7 +410,7 @@ def test_goodput_keeps_none_where_only_the_verify_step_cost_makes_drafts_lose():
     cost = (0.064, 0.001, 0.0, 0.012)
     rates = {}
     for switch in (True, False):
-        c = _controller("goodput", switch_cost=switch, explore=0.05, rest=False)
+        c = _controller("goodput", verify_step_cost=switch, explore=0.05, rest=False)
         w = World(c, batch=16, cost=cost, noise=0.01, seed=3)
         w.run(0.3, 150)
         tokens = seconds = 0.0
@@ -414,11 +423,11 @@ def test_goodput_keeps_none_where_only_the_verify_step_cost_makes_drafts_lose():
 
 
 def test_recent_sizes_is_an_lru_of_token_counts():
-    r = ctl.RecentSizes(3)
+    r = RecentSizes(3)
     assert [r.touch(n) for n in (16, 32, 16, 48, 64)] == [True, True, False, True, True]
     assert sorted(r.array().tolist()) == [16, 48, 64]   # 32 was least recent
     assert r.touch(32) and not r.touch(64)
-    assert ctl.RecentSizes(0).touch(5) is False and ctl.RecentSizes(0).array() is None
+    assert RecentSizes(0).touch(5) is False and RecentSizes(0).array() is None
 
 
 def test_goodput_learns_the_cost_of_new_step_sizes_and_keeps_to_few():
@@ -484,7 +493,7 @@ def test_goodput_rests_a_proposer_whose_drafts_cannot_pay():
         will_rest = c.rests_next_step
         rested_topk.append((will_rest, p.topk_wanted()))
         w.step(0.3)
-        assert c.resting == will_rest
+        assert c.rest.resting == will_rest
     assert c.steps - steps == 200
     skipped = 200 - (p.calls - calls)
     assert skipped >= 150, skipped                 # stretches up to 32 steps
@@ -514,19 +523,19 @@ def test_goodput_rests_where_measured_rates_say_drafting_loses():
     for compare in (True, False):
         p = _Counting(can_rest=True)
         if not compare:   # rest only after three empty steps, as before
-            p.controller._MODE_EVIDENCE = float("inf")
-            p.controller._REST_PROBE_GAP = 10 ** 9
+            p.controller.rest._MODE_EVIDENCE = float("inf")
+            p.controller.rest._REST_PROBE_GAP = 10 ** 9
         w = World(p.controller, batch=16, cost=cost, noise=0.01, seed=7, proposer=p,
                   awake_cost=0.008)
         w.run(0.35, 300)
         tokens = seconds = 0.0
-        before = p.controller.rest_steps
+        before = p.controller.rest.steps
         for _ in range(400):
             w.step(0.35)
             tokens += w.m.sum() + 16
             seconds += w.seconds
         rates[compare] = tokens / seconds
-        rested[compare] = p.controller.rest_steps - before
+        rested[compare] = p.controller.rest.steps - before
     assert rates[True] > 0.97 * rest_rate, (rates, rest_rate, rested)
     assert rates[True] > 1.03 * rates[False], (rates, rested)
     assert rested[True] > 300 and rested[False] < 50, rested
@@ -544,15 +553,15 @@ def test_goodput_wakes_for_a_new_request():
     w = World(c, batch=1, cost=(0.05, 0.0005, 0.0), noise=0.01, seed=5, proposer=p)
     for _ in range(120):                     # long enough for rests to double
         w.step(0.0)
-        if c.rests_next_step and c._rest_len == c._REST_MAX:
+        if c.rests_next_step and c.rest.length == c.rest._REST_MAX:
             break
-    assert c.rests_next_step and c._rest_len == c._REST_MAX
+    assert c.rests_next_step and c.rest.length == c.rest._REST_MAX
     w.finished.add(w.ids[0])
     w.ids[0] = "next"
     w.n[:] = w.m[:] = w.bonus[:] = 0
     calls = p.calls
     kept = [int(w.step(0.9)[0]) for _ in range(3)]
-    assert p.calls > calls and not c.resting, (p.calls, calls)
+    assert p.calls > calls and not c.rest.resting, (p.calls, calls)
     assert sum(kept) > 0, kept
 
 
@@ -567,20 +576,19 @@ def test_goodput_measures_modes_on_decode_steps_only():
     joining = [_req(f"r{i}", 0, 0) for i in range(4)] + [_req("new", 0, 0, prefill=True)]
     # The previous step ran 300 prompt tokens beside four decoding rows.
     ctx = StepContext(joining, max_draft=D, last_step_seconds=0.5, last_step_tokens=305)
-    c.observe(ctx)
-    c.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * 5))
-    weights = c.modes.count.sum()
+    c.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * 5), c.observe(ctx))
+    weights = c.rest.modes.count.sum()
     c.observe(StepContext([_req(f"r{i}", 0, 0) for i in range(4)], max_draft=D,
                           last_step_seconds=0.03, last_step_tokens=4))
     assert c.cost.num_observed == observed + 1                 # the decode step only
-    assert c.modes.count.sum() == weights                     # nothing added
+    assert c.rest.modes.count.sum() == weights                     # nothing added
     decode = StepContext([_req("a", 2, 1)], max_draft=D, last_step_seconds=0.03,
                          last_step_tokens=3)
-    assert ctl.GoodputController._mode_record(decode, False, 40.0)[:3] == (False, 1, 2.0)
+    assert _mode_record(decode, False, 40.0)[:3] == (False, 1, 2.0)
 
 
 def test_mode_rates_measure_rest_awake_and_the_models_bias():
-    m = ctl.ModeRates()
+    m = ModeRates()
     for _ in range(50):
         m.observe(True, 16, 16, 0.08)                  # 200 tok/s resting
         m.observe(False, 16, 19, 0.1, predicted_rate=250.0)   # 190 delivered
@@ -615,11 +623,11 @@ def test_goodput_wakes_when_the_batch_halves():
     small = StepContext([_req(f"r{i}", 0, 0) for i in range(8)], max_draft=D,
                         last_step_seconds=0.08, last_step_tokens=8)
     assert len(p.step(small).tokens) == 8
-    assert not c.resting and p.calls > calls_before
+    assert not c.rest.resting and p.calls > calls_before
 
 
 def test_cost_model_prior_before_data():
-    m = ctl.StepCostModel(prior_token_cost=0.001)
+    m = StepCostModel(prior_token_cost=0.001)
     assert m.line(8) == (1.0, 0.001)
     for _ in range(50):
         m.observe(100, 4, 0.05)                        # one token count: no slope
@@ -649,7 +657,7 @@ def test_goodput_allocation_is_the_exhaustive_optimum():
             t = a + b * (3 + sum(ks)) + (d if any(ks) else 0.0)
             return (3 + sum(q[i, :k].sum() for i, k in enumerate(ks))) / t
 
-        keep, g, _ = ctl.goodput_allocation(q, np.ones_like(q, bool), a, b, d)
+        keep, g, _ = goodput_allocation(q, np.ones_like(q, bool), a, b, d)
         assert g == pytest.approx(max(goodput(ks) for ks in np.ndindex(5, 5, 5)))
         assert g == pytest.approx(goodput(tuple(keep)))
 
@@ -693,12 +701,9 @@ def test_max_length_bounds_decide_and_follows_history():
         alphas = [0.0, 0.5, 0.97]
         for _ in range(60):
             ctx = w.ctx()
-            c.observe(ctx)
-            bound = [c.max_length(r.req_id) for r in ctx.requests]
-            step_bounds, c._bounds = c._bounds, None   # the per-request path agrees
-            assert [c.max_length(r.req_id) for r in ctx.requests] == bound
-            c._bounds = step_bounds
-            keep = c.decide(ctx, Drafts([[7] * D] * 3))
+            observation = c.observe(ctx)
+            bound = [c.max_length(r.req_id, observation) for r in ctx.requests]
+            keep = c.decide(ctx, Drafts([[7] * D] * 3), observation)
             assert all(k <= b for k, b in zip(keep, bound)), (policy, keep, bound)
             draws = w.rng.random((3, D)) < np.array(alphas)[:, None]
             w.n = np.array(keep)
@@ -707,8 +712,8 @@ def test_max_length_bounds_decide_and_follows_history():
             w.bonus = np.where(run > w.n, DRAFT_TOKEN, 0)
             w.tokens = int(sum(keep) + 3)
             w.seconds = 0.02 + 0.001 * w.tokens
-        assert c.max_length("r0") <= 1 and c.max_length("r2") >= D - 1
-        assert c.max_length("never-seen") == D
+        assert bound[0] <= 1 and bound[2] >= D - 1, (policy, bound)
+        assert c.max_length("never-seen", observation) == D
 
 
 # ------------------------------------------------------- stats and memory
@@ -756,8 +761,7 @@ def test_lost_finish_notices_are_bounded_by_max_tracked():
     c = _controller("acceptance", max_tracked=16)
     for i in range(100):
         ctx = StepContext([_req(f"x{i}", 0, 0)], max_draft=D)
-        c.observe(ctx)
-        c.decide(ctx, Drafts([[1] * D]))
+        c.decide(ctx, Drafts([[1] * D]), c.observe(ctx))
     assert len(c.slots) == 16 and c.slots.capacity <= 16
     assert c.stats()["evicted_requests"] == 84
 
@@ -785,9 +789,10 @@ def _deep_world_step(c, ids, rng, p_first, p_deep, conf=None):
     given their prefix, with p_deep (a copy regime: right once, right on)."""
     ctx = StepContext([_req(r, int(c._n[r]), int(c._m[r]), bonus=c._b.get(r, 0))
                        for r in ids], max_draft=D)
-    c.observe(ctx)
+    observation = c.observe(ctx)
     confs = None if conf is None else [np.full(D, conf, np.float32) for _ in ids]
-    keep = c.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * len(ids), confidence=confs))
+    keep = c.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * len(ids), confidence=confs),
+                    observation)
     for r, k in zip(ids, keep):
         first = rng.random() < p_first
         run = 0 if not first else 1 + int(np.cumprod(rng.random(D - 1) < p_deep).sum())
@@ -831,9 +836,9 @@ class _BudgetedProposer:
 
     def step(self, w: World, alpha: float) -> int:
         ctx = w.ctx()
-        self.c.observe(ctx)
-        budget = self.c.max_length(w.ids[0])
-        keep = self.c.decide(ctx, Drafts([[DRAFT_TOKEN] * budget]))
+        observation = self.c.observe(ctx)
+        budget = self.c.max_length(w.ids[0], observation)
+        keep = self.c.decide(ctx, Drafts([[DRAFT_TOKEN] * budget]), observation)
         draws = w.rng.random(D) < alpha
         run = np.cumprod(draws).sum()
         w.n = np.array(keep)
@@ -908,9 +913,9 @@ def test_goodput_cost_counts_the_proposers_own_time_and_reports_our_work():
     recorded = p.controller.cost._y[:4]
     assert recorded[0] == pytest.approx(0.05)
     assert recorded[1:] == pytest.approx(0.05 + np.array(seen[1:]))
-    rest, awake = p.controller.modes.own_seconds(1)
+    rest, awake = p.controller.rest.modes.own_seconds(1)
     assert rest == 0.0   # no resting step timed yet
-    w = 0.5 ** (np.arange(len(seen) - 2, -1, -1) / ctl.ModeRates._HALF_LIFE)  # decayed
+    w = 0.5 ** (np.arange(len(seen) - 2, -1, -1) / ModeRates._HALF_LIFE)  # decayed
     assert awake == pytest.approx(0.004 + np.average(seen[1:], weights=w), rel=1e-9)
     stats = p.controller.stats()
     assert stats["own_ms_per_step"]["1"][1] == pytest.approx(1e3 * awake, abs=1e-3)
@@ -921,8 +926,8 @@ def test_prefix_calibration_learns_realised_acceptance_of_kept_drafts():
     """Kept drafts whose prefixes were predicted at 0.6 but accepted 30% of
     the time: the calibrated q moves to ~0.3, stays non-increasing along the
     draft, and leaves buckets without data near their raw value."""
-    slots = ctl.RequestSlots()
-    cal = ctl.PrefixCalibrator(slots, D)
+    slots = RequestSlots()
+    cal = PrefixCalibrator(slots, D)
     rng = np.random.default_rng(0)
     rows = slots.slots([f"r{i}" for i in range(16)])
     for _ in range(200):

@@ -449,9 +449,9 @@ def test_acceptance_policy_sees_a_length_fixed_before_drafting():
     seen = []
     original = p.controller.decide
 
-    def spy(ctx, drafts):
+    def spy(ctx, drafts, observation):
         seen.append([len(t) for t in drafts.tokens])
-        return original(ctx, drafts)
+        return original(ctx, drafts, observation)
 
     p.controller.decide = spy
     lengths = set()

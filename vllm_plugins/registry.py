@@ -15,6 +15,10 @@ from typing import Any
 from vllm_plugins.options import resolve
 
 PLUGIN_OPTIONS_ATTR = "vllm_plugins_options"
+# vllm.v1.sample.rejection_sampler.MAX_SPEC_LEN: the rejection sampler
+# asserts max_spec_len <= MAX_SPEC_LEN in the middle of serving, so more
+# drafts are refused at start-up (pinned by tests/test_options.py).
+MAX_NUM_SPECULATIVE_TOKENS = 128
 
 
 @dataclass(frozen=True)
@@ -99,12 +103,20 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
     options = resolve(method.name, cls.OPTIONS, ours)
     if options["draft_length"] != "fixed":
         # Validated here, before any model loads; the worker builds it again.
-        from vllm_plugins.proposers.controllers import resolve_options
+        from vllm_plugins.proposers.draft_length import policy_options
 
-        resolve_options(options["draft_length"], options["draft_length_options"])
+        policy_options(options["draft_length"], options["draft_length_options"])
     options["method"] = method.name
     if rest.get("num_speculative_tokens") is None:
         rest["num_speculative_tokens"] = cls.DEFAULT_NUM_SPECULATIVE_TOKENS
+    num = rest["num_speculative_tokens"]
+    if (isinstance(num, bool) or not isinstance(num, int)
+            or not 1 <= num <= MAX_NUM_SPECULATIVE_TOKENS):
+        raise ValueError(
+            f"speculative_config 'num_speculative_tokens' of method '{method.name}' "
+            f"must be an integer in [1, {MAX_NUM_SPECULATIVE_TOKENS}] (vLLM's "
+            f"rejection sampler verifies at most {MAX_NUM_SPECULATIVE_TOKENS} drafts "
+            f"per request), got {num!r}")
     rest["method"] = "custom_class"
     rest["model"] = method.class_path
     cls.validate_vllm_fields(rest)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_plugins.options import Option, unit_float
+from vllm_plugins.options import integer, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.self_draft import DraftRows, LayerPlan
 from vllm_plugins.step_context import Drafts, StepContext
@@ -74,9 +74,10 @@ class SelfDraftProposer(PluginProposer):
     SELF_DRAFT = True
     DEFAULT_NUM_SPECULATIVE_TOKENS = 5
     COMMON_SELF_DRAFT_OPTIONS = (
+        *PluginProposer.OPTIONS,
         unit_float("stop_below", 0.6),
-        Option("draft_vocab", 8192, int, lambda v: v >= 0,
-               "0 (full vocabulary) or a positive shortlist size"),
+        integer("draft_vocab", 8192, 0, 1 << 20,
+                "0 (full vocabulary) or a shortlist size in [1, 1048576]"),
     )
 
     def __init__(self, *args, **kwargs):

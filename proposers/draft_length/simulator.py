@@ -4,11 +4,12 @@ Requests draft ``max_draft`` tokens every step; each drafted token is accepted
 with the request's current acceptance rate (which switches between regimes),
 so a request with k drafts kept emits 1 + (accepted prefix) tokens. The step
 time follows a synthetic cost curve ``a + b * tokens + c * batch`` (plus
-``d`` on a step that verifies any draft) with multiplicative noise, and is
+the verify-step cost on a step that verifies any draft) with
+multiplicative noise, and is
 fed back to the controller as
 ``ctx.last_step_seconds`` exactly as the bridge does. Nothing here needs vLLM.
 
-    python -m vllm_plugins.proposers.controllers_sim      # table of scenarios
+    python -m vllm_plugins.proposers.draft_length.simulator    # table of scenarios
 
 ``oracle`` is the goodput rule with the true acceptance rates and the true
 cost curve: an upper reference for what a controller can reach.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vllm_plugins.proposers.controllers import goodput_allocation, make_controller
+from vllm_plugins.proposers.draft_length import goodput_allocation, make_controller
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 _EMPTY = np.zeros(0, dtype=np.int64)
@@ -32,7 +33,8 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 class Scenario:
     name: str
     batch: int
-    # a (s), b (s/token), c (s/request)[, d (s, once per step verifying drafts)]
+    # a (s), b (s/token), c (s/request)[, verify-step cost (s, once per step
+    # that verifies drafts)]
     cost: tuple[float, ...]
     regimes: tuple[float, ...] = (0.05, 0.5, 0.9)
     # Draft j (0-based) is accepted with probability alpha * pos_decay**j given
@@ -77,7 +79,7 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
     ids = _request_ids()
     regimes = np.asarray(sc.regimes)
     a, b, c, *rest = sc.cost
-    d = rest[0] if rest else 0.0
+    verify_step_s = rest[0] if rest else 0.0
     controller = None if policy == "oracle" else make_controller(
         policy, options or {}, sc.max_draft)
 
@@ -120,10 +122,11 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
         if controller is None:
             pos = np.arange(sc.max_draft)
             q = np.cumprod(alpha[:, None] * sc.pos_decay ** pos[None, :], axis=1)
-            keep, _, _ = goodput_allocation(q, np.ones_like(q, bool), a + c * sc.batch, b, d)
+            keep, _, _ = goodput_allocation(q, np.ones_like(q, bool), a + c * sc.batch, b,
+                                            verify_step_s)
         else:
-            controller.observe(ctx)
-            keep = np.asarray(controller.decide(ctx, drafts), dtype=np.int64)
+            observation = controller.observe(ctx)
+            keep = np.asarray(controller.decide(ctx, drafts, observation), dtype=np.int64)
         ks.append(keep)
         # verification
         draws = rng.random((sc.batch, sc.max_draft)) < cond
@@ -131,7 +134,7 @@ def simulate(policy: str, scenario: Scenario, options: dict | None = None) -> di
         m = np.minimum(run, keep)
         emitted = m + 1
         tokens = int((keep + 1).sum())
-        seconds = ((a + b * tokens + c * sc.batch + (d if keep.any() else 0.0))
+        seconds = ((a + b * tokens + c * sc.batch + (verify_step_s if keep.any() else 0.0))
                    * max(0.2, 1 + sc.noise * rng.normal()))
         gen += emitted.sum()
         exp += float((1 + (np.cumprod(cond, axis=1)

@@ -1,0 +1,442 @@
+"""The per-step contract of a draft-length controller, and the estimating
+policies ``acceptance`` and ``confidence`` (``goodput`` lives in its own
+module).
+
+Each engine step the proposer base calls::
+
+    observation = controller.observe(ctx)        # learn from the step that ran
+    # (observation.resting: skip drafting; goodput only)
+    drafts = proposer.draft(ctx)                 # asks max_length(req_id, observation)
+    keep = controller.decide(ctx, drafts, observation)   # list[int], batch order
+
+What ``observe`` learns that ``max_length`` and ``decide`` need (the step's
+slot rows, the estimates after learning, each request's length bound) is
+the ``Observation`` it returns: nothing of it is kept on the controller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm_plugins.options import number
+from vllm_plugins.proposers.draft_length.acceptance import ESTIMATOR_OPTIONS, AcceptanceEstimator
+from vllm_plugins.proposers.draft_length.calibration import (
+    CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator)
+from vllm_plugins.proposers.draft_length.slots import RequestSlots
+
+if TYPE_CHECKING:  # duck-typed at run time; no import cost, no cycle
+    from vllm_plugins.step_context import Drafts, StepContext
+
+
+@dataclass
+class Observation:
+    """What ``observe`` learned of one step, for the same step's
+    ``max_length`` and ``decide``."""
+
+    # Requests in the step (at least 1).
+    batch: int
+    # The step's requests' slot rows, in batch order (None: empty batch, or
+    # a policy that keeps no per-request state).
+    rows: np.ndarray | None = None
+    # Per-position acceptance estimates of those rows after this step's
+    # learning ([rows, max_draft]).
+    probs: np.ndarray | None = None
+    # The most each request will keep this step (None: max_draft for all).
+    bounds: dict[str, int] | None = None
+    # Requests ``max_length`` answered 0: drafting gave them nothing, and
+    # ``decide`` counts that as the controller's own zero choice.
+    zero_bound: set[str] = field(default_factory=set)
+    # goodput: this step keeps at most this many drafts per request, to
+    # explore the cost curve (None: no exploration this step).
+    explore_cap: int | None = None
+    # goodput: the step rests (no drafting, no learning).
+    resting: bool = False
+
+
+class DraftLengthController:
+    """Keep every draft; the bookkeeping every policy shares.
+
+    ``decide`` returns per request (batch order) how many drafts to keep,
+    0 <= keep[i] <= min(len(drafts.tokens[i]), max_draft).
+    """
+
+    name = "fixed"
+    OPTIONS: tuple = ()
+    # Set by the proposer: whether it may skip whole steps (PluginProposer.CAN_REST).
+    can_rest = False
+
+    def __init__(self, max_draft: int, options: dict):
+        self.max_draft = int(max_draft)
+        self.options = options
+        self.slots = RequestSlots(options.get("max_tracked", 65536))
+        self.slots.add("zero_streak", (), np.int64, 0)
+        self.steps = 0
+        self.decisions = 0       # request-steps with at least one draft offered
+        self.zero_choices = 0    # ... of which the controller kept none
+        self.no_draft = 0        # request-steps where the proposer offered none
+        self.probes = 0
+        self.hist = np.zeros(self.max_draft + 1, dtype=np.int64)
+
+    @property
+    def rests_next_step(self) -> bool:
+        """Already decided: the next step rests (the bridge skips its top-k)."""
+        return False
+
+    def observe(self, ctx: StepContext) -> Observation:
+        for rid in ctx.finished:
+            self.free(rid)
+        self.steps += 1
+        return Observation(batch=max(1, len(ctx.requests)))
+
+    def max_length(self, req_id: str, observation: Observation) -> int:
+        """Upper bound on what ``decide`` will keep for this request this step."""
+        bounds = observation.bounds
+        if bounds is None or req_id not in bounds:
+            return self.max_draft
+        bound = bounds[req_id]
+        if bound == 0:
+            observation.zero_bound.add(req_id)
+        return bound
+
+    def decide(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> list[int]:
+        return self._decide_counted(ctx, drafts, observation)[0]
+
+    def _decide_counted(self, ctx: StepContext, drafts: Drafts, observation: Observation
+                        ) -> tuple[list[int], bool]:
+        """(kept lengths, whether any request was offered a draft or bounded
+        to none by ``max_length``)."""
+        lengths = np.fromiter((min(len(t), self.max_draft) for t in drafts.tokens),
+                              dtype=np.int64, count=len(drafts.tokens))
+        if len(lengths) == 0:
+            return [], False
+        # Requests with no draft because max_length() said 0: the controller's
+        # own zero choice, made before drafting (counted as such, and they
+        # move towards a probe like any zero choice).
+        bound = np.zeros(len(lengths), dtype=bool)
+        if observation.zero_bound:
+            bound = (lengths == 0) & np.fromiter(
+                (r.req_id in observation.zero_bound for r in ctx.requests[:len(lengths)]),
+                dtype=bool, count=min(len(lengths), len(ctx.requests)))
+        keep = self._keep(ctx, drafts, lengths, observation, bound)
+        keep = np.clip(keep, 0, lengths)
+        offered = lengths > 0
+        self.no_draft += int((~offered & ~bound).sum())
+        self.decisions += int((offered | bound).sum())
+        self.zero_choices += int(((offered & (keep == 0)) | bound).sum())
+        self.hist += np.bincount(keep[offered | bound], minlength=self.max_draft + 1)
+        return [int(k) for k in keep], bool(offered.any() or bound.any())
+
+    def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
+              observation: Observation, bound: np.ndarray) -> np.ndarray:
+        return lengths
+
+    def free(self, req_id: str) -> None:
+        self.slots.release(req_id)
+
+    def stats(self) -> dict:
+        total = int(self.hist.sum())
+        return {
+            "policy": self.name,
+            "steps": self.steps,
+            "decisions": self.decisions,
+            "zero_choices": self.zero_choices,
+            "no_draft": self.no_draft,
+            "probes": self.probes,
+            "k_histogram": [int(v) for v in self.hist],
+            "mean_k": float((self.hist * np.arange(len(self.hist))).sum() / total)
+            if total else 0.0,
+            "tracked_requests": len(self.slots),
+            "evicted_requests": self.slots.evicted,
+            "state_bytes": self.slots.nbytes(),
+        }
+
+
+FixedController = DraftLengthController
+
+
+class EstimatingController(DraftLengthController):
+    """Shared by acceptance / confidence / goodput: per-request acceptance
+    estimates, what the cut drafts teach, probing, confidences."""
+
+    uses_confidence = False
+    _MAX_BACKOFF = 1  # a failed probe doubles the probe interval (once)
+
+    def __init__(self, max_draft: int, options: dict):
+        super().__init__(max_draft, options)
+        self.estimator = AcceptanceEstimator(self.slots, max_draft, **options)
+        self.calibrator = (ConfidenceCalibrator(self.slots, max_draft, **options)
+                           if self.uses_confidence else None)
+        self.probe_interval = options["probe_interval"]
+        self.slots.add("probe_level", (), np.int64, 0)   # failed probes in a row
+        self.slots.add("probing", (), np.bool_, False)
+        self.observe_cut = bool(options.get("observe_cut", True))
+        # The first draft cut last step (-1: none) and how many were kept.
+        self.slots.add("cut_token", (), np.int64, -1)
+        self.slots.add("cut_at", (), np.int64, -1)
+        self.cut_observed = 0
+        self.prefix = (PrefixCalibrator(self.slots, max_draft)
+                       if options.get("calibrate_prefix") else None)
+        self._probe_scale = 1     # goodput stretches probing where drafts are dear
+
+    # ------------------------------------------------------------ observe
+    def observe(self, ctx: StepContext) -> Observation:
+        observation = self._learn(ctx)
+        self._bound(ctx, observation)
+        return observation
+
+    def _learn(self, ctx: StepContext) -> Observation:
+        """Bookkeeping, then learn from the drafts this step verified."""
+        observation = super().observe(ctx)
+        reqs = ctx.requests
+        if not reqs:
+            return observation
+        rows = observation.rows = self.slots.slots([r.req_id for r in reqs])
+        emitted = np.array([len(r.accepted) for r in reqs], dtype=np.int64)
+        n = np.array([r.num_draft for r in reqs], dtype=np.int64)
+        n = np.where(emitted > 0, n, 0)
+        m = np.minimum(np.maximum(emitted - 1, 0), n)
+        n, m = self._observe_cut(reqs, rows, emitted, n, m)
+        if self.prefix is not None:
+            self.prefix.observe(rows, n, m)
+        verified = n > 0
+        self.estimator.observe(rows[verified], n[verified], m[verified])
+        a = self.slots.arrays
+        probed = a["probing"][rows] & verified
+        if probed.any():
+            pr = rows[probed]
+            a["probe_level"][pr] = np.where(m[probed] > 0, 0, a["probe_level"][pr] + 1)
+        a["probing"][rows] = False
+        if self.calibrator is not None:
+            self.calibrator.observe(rows, n, m)
+        return observation
+
+    def _bound(self, ctx: StepContext, observation: Observation) -> None:
+        """Each request's ``max_length`` for the step, all at once (drafting
+        asks once per request; one vectorised pass is cheaper than that
+        many scalar ones)."""
+        rows = observation.rows
+        if rows is None:
+            return
+        probs = observation.probs = self.estimator.probs(rows)
+        bound = self._length_bounds(probs, observation)
+        if self.probe_interval > 0 and self._probe_scale > 0:
+            due = self.slots.arrays["zero_streak"][rows] >= self._probe_gap(rows)
+            bound = np.where(due, np.maximum(bound, 1), bound)
+        bound = np.clip(bound, 0, self.max_draft)
+        if self.calibrator is not None:
+            # Confidences only arrive with the drafts.
+            bound = np.where(self.slots.arrays["conf_seen"][rows], self.max_draft, bound)
+        observation.bounds = dict(zip((r.req_id for r in ctx.requests), bound.tolist()))
+
+    def _observe_cut(self, reqs, rows, emitted, n, m):
+        """Learn the outcome of the first draft cut last step, for free.
+
+        When every kept draft was accepted, the target sampled its own token
+        at the cut draft's position. For a deterministic draft token x,
+        vLLM's rejection sampler accepts with probability p_target(x), and
+        the sampled token equals x with the same probability, so
+        [sampled == x] is an exact draw of "the cut draft would have been
+        accepted" (greedy: exactly its outcome). Without it, a position the
+        controller cuts is never observed again and an under-estimate there
+        cannot correct itself; with it, even a request kept at k = 0 learns
+        its first-draft acceptance every step. Returns (n, m) with the
+        observed cut position added.
+        """
+        a = self.slots.arrays
+        cut_token = a["cut_token"][rows].copy()
+        cut_at = a["cut_at"][rows].copy()
+        a["cut_token"][rows] = -1
+        if not self.observe_cut:
+            return n, m
+        peek = (cut_token >= 0) & (emitted > 0) & (m == n) & (cut_at == n)
+        if not peek.any():
+            return n, m
+        last = np.array([int(r.accepted[-1]) if len(r.accepted) else -1 for r in reqs],
+                        dtype=np.int64)
+        hit = peek & (last == cut_token)
+        self.cut_observed += int(peek.sum())
+        return n + peek, m + hit
+
+    # ------------------------------------------------------------- decide
+    def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
+              observation: Observation, bound: np.ndarray) -> np.ndarray:
+        if len(ctx.requests) != len(lengths):
+            raise ValueError(f"drafts has {len(lengths)} rows for a batch of "
+                             f"{len(ctx.requests)} requests")
+        rows = observation.rows
+        if rows is None:
+            rows = self.slots.slots([r.req_id for r in ctx.requests])
+        width = int(lengths.max())
+        if width == 0:   # nothing offered (e.g. max_length said 0 to all)
+            keep = self._probe(rows, lengths, np.zeros(len(lengths), np.int64), bound)
+            if self.calibrator is not None:
+                self.calibrator.remember(rows, None, keep)
+            return np.minimum(keep, lengths)
+        p = (observation.probs if observation.probs is not None
+             else self.estimator.probs(rows))[:, :width]
+        conf = self._confidence_matrix(drafts, width)
+        if conf is not None:
+            cal = self.calibrator.calibrate(rows, conf)
+            p = np.where(np.isnan(cal), p, cal)
+        q = np.cumprod(p, axis=1)   # prefix probabilities: P(drafts 1..j accepted)
+        valid = np.arange(width)[None, :] < lengths[:, None]
+        q_raw = q
+        if self.prefix is not None:
+            q = self.prefix.apply(q)
+        keep = self._choose(lengths, q, valid, observation)
+        observable = self._cut_observable(drafts, lengths)
+        keep = self._probe(rows, lengths, keep, bound, observable)
+        keep = np.minimum(keep, lengths)
+        cut = self._remember_cut(rows, drafts, lengths, keep, observable)
+        if self.prefix is not None:
+            self.prefix.remember(rows, q_raw, keep + cut)
+        if self.calibrator is not None:
+            self.calibrator.remember(rows, conf, keep, keep + cut)
+        return keep
+
+    def _choose(self, lengths: np.ndarray, q: np.ndarray, valid: np.ndarray,
+                observation: Observation) -> np.ndarray:
+        """The policy: drafts to keep per row from prefix probabilities
+        ``q`` (``valid`` marks offered drafts)."""
+        raise NotImplementedError
+
+    def _length_bounds(self, probs: np.ndarray, observation: Observation) -> np.ndarray:
+        """The policy's bound on kept drafts, per row of probabilities."""
+        return np.full(len(probs), self.max_draft, dtype=np.int64)
+
+    @staticmethod
+    def _history_bounds(probs: np.ndarray, threshold: float) -> np.ndarray:
+        """Per row, how many leading drafts have a prefix probability above
+        ``threshold`` by the request's history."""
+        return (np.cumprod(probs, axis=1) > threshold).sum(1)
+
+    def _confidence_matrix(self, drafts: Drafts, width: int) -> np.ndarray | None:
+        if not self.uses_confidence or drafts.confidence is None:
+            return None
+        confs = drafts.confidence
+        if width == 0 or all(c is None for c in confs):
+            return None
+        try:  # common case: every row has >= width confidences
+            out = np.array([c[:width] for c in confs], dtype=np.float64)
+            if out.shape == (len(confs), width):
+                return out
+        except (TypeError, ValueError):
+            pass
+        out = np.full((len(confs), width), np.nan)
+        for i, c in enumerate(confs):
+            if c is not None:
+                c = np.asarray(c, dtype=np.float64).reshape(-1)[:width]
+                out[i, :len(c)] = c
+        return out
+
+    def _cut_observable(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
+        """Rows whose cut draft the next step observes: deterministic drafts
+        with observe_cut on. Rows with draft probabilities (stochastic
+        drafts) are left out: their acceptance is min(1, p/q), which the
+        sampled token does not show. An observable zero choice still
+        teaches, so it needs no probe."""
+        ok = (lengths > 0) & self.observe_cut
+        if drafts.probs is not None:
+            ok &= np.array([drafts.probs[i] is None if i < len(drafts.probs) else True
+                            for i in range(len(lengths))], dtype=bool)
+        return ok
+
+    def _remember_cut(self, rows, drafts: Drafts, lengths: np.ndarray,
+                      keep: np.ndarray, observable: np.ndarray) -> np.ndarray:
+        """Store the first cut draft of each ``observable`` row; returns the
+        rows that have one."""
+        cut = (keep < lengths) & observable
+        a = self.slots.arrays
+        idx = np.nonzero(cut)[0]
+        if len(idx):
+            a["cut_token"][rows[idx]] = [int(drafts.tokens[i][keep[i]]) for i in idx]
+            a["cut_at"][rows[idx]] = keep[idx]
+        return cut
+
+    def _probe_gap(self, rows: np.ndarray) -> np.ndarray:
+        level = np.minimum(self.slots.arrays["probe_level"][rows], self._MAX_BACKOFF)
+        return (self.probe_interval * self._probe_scale) << level
+
+    def _probe(self, rows: np.ndarray, lengths: np.ndarray, keep: np.ndarray,
+               bound: np.ndarray, observed: np.ndarray | bool = False) -> np.ndarray:
+        """After probe_interval consecutive zeros keep one token, to re-learn.
+
+        A failed probe doubles the interval (once: up to 2x); an accepted probe,
+        or a non-zero choice, resets it. Rows in ``observed`` learn their
+        first draft's outcome without verifying it (``_observe_cut``) and
+        are not probed. ``bound``: rows ``max_length`` gave 0.
+        """
+        a = self.slots.arrays
+        zs = a["zero_streak"]
+        offered = lengths > 0
+        zero = (offered & (keep == 0)) | bound
+        a["probe_level"][rows[offered & (keep > 0)]] = 0
+        if self.probe_interval > 0 and self._probe_scale > 0:
+            due = zero & offered & ~observed & (zs[rows] >= self._probe_gap(rows))
+            if due.any():
+                keep = keep.copy()
+                keep[due] = 1
+                a["probing"][rows[due]] = True
+                self.probes += int(due.sum())
+                zero = zero & ~due
+        zs[rows] = np.where(zero, zs[rows] + 1, np.where(offered, 0, zs[rows]))
+        return keep
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["acceptance_global"] = round(self.estimator.global_rate, 4)
+        out["cut_drafts_observed"] = self.cut_observed
+        if self.prefix is not None:
+            out["prefix_calibration"] = self.prefix.table()
+        out["changes_detected"] = self.estimator.changes
+        if self.calibrator is not None:
+            out["calibration_global"] = self.calibrator.table()
+        return out
+
+
+class AcceptanceController(EstimatingController):
+    """Smallest k reaching ``target_fraction`` of the achievable expected
+    accepted length, never keeping a token whose prefix acceptance probability
+    is below ``min_prob``."""
+
+    name = "acceptance"
+    OPTIONS = (
+        *ESTIMATOR_OPTIONS,
+        number("target_fraction", 0.9, 0.0, 1.0, lo_open=True),
+        number("min_prob", 0.1, 0.0, 1.0, hi_open=True),
+    )
+
+    def _choose(self, lengths, q, valid, observation) -> np.ndarray:
+        qv = np.where(valid, q, 0.0)
+        expected = np.cumsum(qv, axis=1)                       # E[A(k)], k = 1..K
+        total = expected[np.arange(len(lengths)), np.maximum(lengths - 1, 0)]
+        total = np.where(lengths > 0, total, 0.0)
+        goal = self.options["target_fraction"] * total
+        reached = valid & (expected >= goal[:, None] - 1e-12)
+        k_frac = np.where(reached.any(1), reached.argmax(1) + 1, lengths)
+        k_prob = (valid & (q >= self.options["min_prob"])).sum(1)
+        return np.minimum(k_frac, k_prob)
+
+    def _length_bounds(self, probs, observation) -> np.ndarray:
+        return self._history_bounds(probs, self.options["min_prob"] - 1e-12)
+
+
+class ConfidenceController(EstimatingController):
+    """Keep drafting while P(all kept drafts accepted) >= ``threshold``."""
+
+    name = "confidence"
+    uses_confidence = True
+    OPTIONS = (
+        *ESTIMATOR_OPTIONS,
+        *CONFIDENCE_OPTIONS,
+        number("threshold", 0.3, 0.0, 1.0, lo_open=True, hi_open=True),
+    )
+
+    def _choose(self, lengths, q, valid, observation) -> np.ndarray:
+        return (valid & (q >= self.options["threshold"])).sum(1)
+
+    def _length_bounds(self, probs, observation) -> np.ndarray:
+        return self._history_bounds(probs, self.options["threshold"] - 1e-12)

@@ -1,0 +1,248 @@
+"""Goodput: the draft lengths that maximise expected tokens per second.
+
+SmartSpec's rule: per step, the k_i (0 included) maximising
+(sum_i E[1 + accepted_i(k_i)]) / t(step), the step time learned online from
+the engine's own timings (``StepCostModel``). Where drafting does not pay,
+a proposer that allows it rests (``Rest``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from vllm_plugins.options import flag, integer, number
+from vllm_plugins.proposers.draft_length.acceptance import ESTIMATOR_OPTIONS
+from vllm_plugins.proposers.draft_length.calibration import CONFIDENCE_OPTIONS
+from vllm_plugins.proposers.draft_length.controllers import EstimatingController, Observation
+from vllm_plugins.proposers.draft_length.rest import Rest, engine_gap, step_tokens
+from vllm_plugins.proposers.draft_length.step_cost import (COST_OPTIONS, RecentSizes,
+                                                           StepCostModel)
+
+if TYPE_CHECKING:
+    from vllm_plugins.step_context import Drafts, StepContext
+
+
+def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
+                       slope: float, verify_step_s: float = 0.0,
+                       new_shape_s: float = 0.0,
+                       warm_tokens: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, float, float]:
+    """Per-row k maximising (B + sum_i sum_{j<k_i} q_ij) / t(N), where
+    t(N) = intercept + slope * N, plus ``verify_step_s`` when any k_i > 0,
+    plus ``new_shape_s`` when N is not in ``warm_tokens`` (None: every N is
+    warm).
+
+    ``q[i, j]``: probability that drafts 1..j+1 of row i are all accepted
+    (non-increasing in j); ``valid`` marks offered drafts; N = sum_i (1 + k_i)
+    is the step's token count and B the number of rows. Greedy marginal
+    allocation, exact here: for a given count M of kept drafts the best are
+    the M largest q (ties: earlier position first, so each row keeps a
+    prefix), and the best M is chosen with the verify-step cost in every M > 0.
+    Returns (k per row, expected goodput, expected generated tokens).
+    """
+    batch = q.shape[0]
+    r_idx, j_idx = np.nonzero(valid)
+    gain = q[r_idx, j_idx]
+    order = np.lexsort((j_idx, -gain))   # by gain desc, then position asc
+    cum = np.concatenate([[0.0], np.cumsum(gain[order])])
+    m = np.arange(len(cum))
+    cost = intercept + slope * (batch + m) + np.where(m > 0, verify_step_s, 0.0)
+    if warm_tokens is not None and new_shape_s > 0:
+        cost = cost + np.where(np.isin(batch + m, warm_tokens), 0.0, new_shape_s)
+    goodput = (batch + cum) / np.maximum(cost, 1e-300)
+    best = int(np.argmax(goodput))
+    keep = np.bincount(r_idx[order[:best]], minlength=batch).astype(np.int64)
+    return keep, float(goodput[best]), float(batch + cum[best])
+
+
+class GoodputController(EstimatingController):
+    """SmartSpec: maximise (sum_i E[1 + accepted_i(k_i)]) / t(batch, sum_i (1 + k_i)).
+
+    With t linear in tokens plus step-level terms (``StepCostModel``) and
+    prefix probabilities non-increasing in j, the allocation is exact: sort
+    all candidate tokens by prefix probability q_ij, and take the best count
+    M of that order (``goodput_allocation``). Where drafting does not pay,
+    a proposer that allows it rests (no top-k, no learning, no drafting),
+    decided from measured rates as well as the model (``Rest``).
+    """
+
+    name = "goodput"
+    OPTIONS = (
+        *ESTIMATOR_OPTIONS,
+        *CONFIDENCE_OPTIONS,
+        flag("use_confidence", True),
+        flag("calibrate_prefix", True),
+        *COST_OPTIONS,
+        flag("rest", True),
+        number("explore", 0.02, 0.0, 1.0),
+        number("warmup_explore", 0.5, 0.0, 1.0),
+        integer("seed", 0, 0, None),
+    )
+    # Once the cost model is warm, explore only while the slope's standard
+    # error moves tau = b * goodput (the prefix probability a draft must
+    # beat) by more than this.
+    _TAU_TOLERANCE = 0.02
+    _IDLE_PROBE_GAP = 64   # steps: at most 1 in 64 forced to verify nothing
+
+    def __init__(self, max_draft: int, options: dict):
+        self.uses_confidence = bool(options["use_confidence"])
+        super().__init__(max_draft, options)
+        self.cost = StepCostModel(**options)
+        self.sizes = RecentSizes(options["shape_cache"])
+        self.rng = np.random.default_rng(options["seed"])
+        self.rest = Rest()
+        self.explore_steps = 0
+        self.last_expected_goodput = float("nan")
+        self.last_expected_tokens = float("nan")
+        self._idle_probe_at = -self._IDLE_PROBE_GAP
+        self.idle_probes = 0
+        self.gap_s: float | None = None   # mean engine time around the runner
+
+    @property
+    def rests_next_step(self) -> bool:
+        return self.rest.pending
+
+    def _may_rest(self) -> bool:
+        return self.can_rest and self.options["rest"] and self.cost.warm
+
+    # ------------------------------------------------------------ observe
+    def observe(self, ctx: StepContext) -> Observation:
+        if self.rest.start_step(ctx, self.steps):
+            return self._observe_resting(ctx)
+        observation = self._learn(ctx)
+        self._observe_cost(ctx)
+        observation.explore_cap = self._explore_cap(observation.batch)
+        self._bound(ctx, observation)
+        return observation
+
+    def _observe_resting(self, ctx: StepContext) -> Observation:
+        """A resting step: bookkeeping only. No draft was verified (the step
+        before kept none), so there is nothing to learn but the step's time;
+        per-request state that waits for a verification is dropped."""
+        for rid in ctx.finished:
+            self.free(rid)
+        self.steps += 1
+        self._observe_cost(ctx)
+        if ctx.requests:
+            rows = self.slots.slots([r.req_id for r in ctx.requests])
+            a = self.slots.arrays
+            a["cut_token"][rows] = -1
+            a["probing"][rows] = False
+            if self.prefix is not None:
+                a["q_used"][rows] = np.nan
+            if self.calibrator is not None:
+                a["conf_kept"][rows] = np.nan
+            live = len(ctx.requests)
+            self.decisions += live
+            self.zero_choices += live
+            self.hist[0] += live
+        return Observation(batch=max(1, len(ctx.requests)), resting=True)
+
+    def _observe_cost(self, ctx: StepContext) -> None:
+        tokens, decode = step_tokens(ctx)
+        if ctx.last_gap_seconds is not None:   # reported, not modelled
+            gap = engine_gap(ctx)
+            self.gap_s = gap if self.gap_s is None else 0.95 * self.gap_s + 0.05 * gap
+        cold = self.sizes.touch(tokens) if tokens else False
+        # Steps that ran prompt tokens are not the kind this rule decides on
+        # (and their many tokens would pull the line).
+        if ctx.last_step_seconds is not None and ctx.requests and tokens <= decode:
+            # The engine waits for the proposer as well as for the forward.
+            seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
+            verifies = any(r.num_draft > 0 for r in ctx.requests)
+            self.cost.observe(float(tokens), float(len(ctx.requests)), float(seconds),
+                              verifies, cold)
+
+    def _explore_cap(self, batch: int) -> int | None:
+        """Decided before drafting, so ``max_length`` sees it: while the cost
+        model is cold, or its slope too uncertain, some steps keep a random
+        number of drafts; where every step verifies, one now and then keeps
+        none, so the verify-step cost does not hide in the intercept."""
+        if not self.cost.warm:
+            rate = self.options["warmup_explore"]
+        elif self.cost.slope_se * self._goodput_scale(batch) > self._TAU_TOLERANCE:
+            rate = self.options["explore"]
+        else:
+            rate = 0.0
+        if rate > 0 and self.rng.random() < rate:
+            return int(self.rng.integers(0, self.max_draft + 1))
+        if (self.cost.warm and self.steps - self._idle_probe_at >= self._IDLE_PROBE_GAP
+                and self.cost.needs_idle_step()):
+            self._idle_probe_at = self.steps
+            self.idle_probes += 1
+            return 0
+        return None
+
+    def _goodput_scale(self, batch: int) -> float:
+        """Tokens per second of the last decision (or of no drafting at all)."""
+        g = self.last_expected_goodput
+        if math.isfinite(g):
+            return g
+        return self._idle_goodput(batch)
+
+    def _idle_goodput(self, batch: int) -> float:
+        """The model's tokens per second of a step of ``batch`` requests
+        that keeps no draft: B / t(B)."""
+        a, b = self.cost.line(batch)
+        return batch / max(a + b * batch, 1e-12)
+
+    def _length_bounds(self, probs: np.ndarray, observation: Observation) -> np.ndarray:
+        # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
+        # a bound from history at (half) this step's batch size.
+        batch = max(1, observation.batch // 2)
+        threshold = self.cost.line(batch)[1] * self._idle_goodput(batch)
+        return self._history_bounds(probs, threshold)
+
+    # ---------------------------------------------------- drafting, decide
+    def max_length(self, req_id: str, observation: Observation) -> int:
+        if observation.explore_cap is not None:
+            return self.max_draft
+        return super().max_length(req_id, observation)
+
+    def decide(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> list[int]:
+        if observation.resting:   # the proposer does not ask; keep nothing if it does
+            return [0] * len(drafts.tokens)
+        keep, offered = self._decide_counted(ctx, drafts, observation)
+        self.rest.after_decide(ctx, any(keep), offered, self._may_rest)
+        return keep
+
+    def _choose(self, lengths, q, valid, observation) -> np.ndarray:
+        batch = len(lengths)
+        if observation.explore_cap is not None:
+            self.explore_steps += 1
+            return np.minimum(lengths, observation.explore_cap)
+        a, b = self.cost.line(batch)
+        keep, goodput, tokens = goodput_allocation(
+            q, valid, a, b, self.cost.verify_step_s, self.cost.new_shape_s,
+            self.sizes.array())
+        self.last_expected_goodput = goodput
+        self.last_expected_tokens = tokens
+        self.rest.promised = goodput
+        idle = self._idle_goodput(batch)
+        if self._may_rest() and self.rest.beats_drafting(batch, goodput, idle, self.steps):
+            self.rest.decided = True
+            self.rest.promised = idle
+            return np.zeros_like(keep)
+        # A draft is worth its cost when its prefix probability exceeds
+        # tau = b * goodput. Probing pays off only if acceptance can beat tau:
+        # never when tau >= 1; the closer tau is to 1, the rarer.
+        tau = b * goodput
+        self._probe_scale = 0 if tau >= 1.0 else int(min(8, max(1, round(1 / (1 - tau)))))
+        return keep
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["explore_steps"] = self.explore_steps
+        out["rest_steps"] = self.rest.steps
+        out["rest_probes"] = self.rest.probes
+        out["measured_rates"] = self.rest.modes.table()
+        out["own_ms_per_step"] = self.rest.modes.own_table()
+        out["engine_gap_ms"] = None if self.gap_s is None else round(1e3 * self.gap_s, 3)
+        out["idle_probes"] = self.idle_probes
+        out["cost_model"] = self.cost.coefficients()
+        g = self.last_expected_goodput
+        out["last_expected_goodput"] = None if math.isnan(g) else g
+        return out

@@ -1,0 +1,267 @@
+"""Resting: whole engine steps in which a proposer does no work at all.
+
+Where drafting cannot pay (low acceptance, a steep step-cost curve), even
+keeping no draft costs an awake step its own work: the bridge's top-k
+extraction, the proposer's learning and drafting. A proposer that keeps no
+per-step state (``PluginProposer.CAN_REST``) can skip all of it for a
+stretch of steps; ``Rest`` decides when, from the goodput rule's decisions
+and from measured rates of resting and awake steps (``ModeRates``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from vllm_plugins.step_context import StepContext
+
+
+class ModeRates:
+    """Realised tokens per second of resting and of awake steps, per batch
+    size (exact up to 64, then per power of two).
+
+    The goodput rule predicts from a model of the step; this measures. Costs
+    the model does not see (the top-k extraction, the proposer's Python, a
+    kernel the runtime rebuilds for a new token count, host effects) all land
+    in the awake rate, so "rest is faster here" is read from the engine, not
+    derived. A step's seconds are its forward and sampling plus its
+    proposer's own time; its tokens are what its requests emitted.
+    """
+
+    _HALF_LIFE = 64.0     # observations of the same (mode, batch) cell
+    _CELLS = 72
+
+    def __init__(self):
+        self.tokens = np.zeros((2, self._CELLS))
+        self.seconds = np.zeros((2, self._CELLS))
+        self.count = np.zeros((2, self._CELLS))
+        # Awake steps: the tokens the rule's prediction promised in the same time.
+        self.promised = np.zeros(self._CELLS)
+        # Our own seconds per step (top-k extraction and proposer), per mode:
+        # reported, not decided on (docs/draft_length.md says why).
+        self.own = np.zeros((2, self._CELLS))
+        self.own_count = np.zeros((2, self._CELLS))
+        self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
+
+    @classmethod
+    def cell(cls, batch: int) -> int:
+        batch = max(int(batch), 1)
+        if batch <= 64:
+            return batch
+        return min(64 + batch.bit_length() - 6, cls._CELLS - 1)
+
+    def observe(self, resting: bool, batch: int, tokens: float, seconds: float,
+                predicted_rate: float = float("nan"), own_seconds: float = float("nan")
+                ) -> None:
+        """One step: its tokens and seconds (ours included), ``own_seconds``
+        of them spent on our work, and on an awake step the rule's
+        predicted rate."""
+        m, c = int(not resting), self.cell(batch)
+        d = self._decay
+        if own_seconds >= 0 and math.isfinite(own_seconds):
+            self.own[m, c] = d * self.own[m, c] + own_seconds
+            self.own_count[m, c] = d * self.own_count[m, c] + 1.0
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        if m == 1:
+            if not math.isfinite(predicted_rate):
+                return   # an awake step without a prediction teaches no bias
+            self.promised[c] = d * self.promised[c] + predicted_rate * seconds
+        self.tokens[m, c] = d * self.tokens[m, c] + tokens
+        self.seconds[m, c] = d * self.seconds[m, c] + seconds
+        self.count[m, c] = d * self.count[m, c] + 1.0
+
+    def bias(self, batch: int) -> float:
+        """Delivered / promised tokens of awake steps at this batch size."""
+        c = self.cell(batch)
+        return float(self.tokens[1, c] / self.promised[c]) if self.promised[c] > 0 else 1.0
+
+    def own_seconds(self, batch: int) -> tuple[float, float] | None:
+        """(resting, awake) seconds of our own work per step at this batch
+        size; None until an awake step is timed here."""
+        c = self.cell(batch)
+        if self.own_count[1, c] <= 0:
+            return None
+        rest = self.own[0, c] / self.own_count[0, c] if self.own_count[0, c] > 0 else 0.0
+        return float(rest), float(self.own[1, c] / self.own_count[1, c])
+
+    def rates(self, batch: int) -> tuple[float, float, float, float]:
+        """(rest tokens/s, awake tokens/s, rest weight, awake weight)."""
+        c = self.cell(batch)
+        r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
+        return float(r[0]), float(r[1]), float(self.count[0, c]), float(self.count[1, c])
+
+    def table(self) -> dict[str, list[float | None]]:
+        """Measured cells: {batch cell: [rest tokens/s, awake tokens/s]}."""
+        out = {}
+        for c in np.nonzero((self.count > 0).any(0))[0]:
+            r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
+            out[str(int(c))] = [round(float(r[m]), 2) if self.seconds[m, c] > 0 else None
+                                for m in (0, 1)]
+        return out
+
+    def own_table(self) -> dict[str, list[float | None]]:
+        """Timed cells: {batch cell: [resting, awake] ms of our work per step}."""
+        out = {}
+        for c in np.nonzero((self.own_count > 0).any(0))[0]:
+            out[str(int(c))] = [round(1e3 * float(self.own[m, c] / self.own_count[m, c]), 3)
+                                if self.own_count[m, c] > 0 else None for m in (0, 1)]
+        return out
+
+
+def step_tokens(ctx: StepContext) -> tuple[int, int]:
+    """(tokens the step ran, tokens its decoding rows account for: one per
+    request plus its verified drafts). More run than accounted for means
+    the step ran prompt tokens too."""
+    decode = sum((r.num_draft if len(r.accepted) else 0) + 1 for r in ctx.requests)
+    return ctx.last_step_tokens or decode, decode
+
+
+def engine_gap(ctx: StepContext) -> float:
+    """The engine's seconds between our previous proposal and the step
+    (scheduling, output handling). A gap longer than the step itself is an
+    idle engine waiting for requests, not work: counted as none."""
+    gap, step = ctx.last_gap_seconds, ctx.last_step_seconds
+    if gap is None or step is None or not (0.0 <= gap <= step):
+        return 0.0
+    return float(gap)
+
+
+
+class Rest:
+    """When a proposer that may rest (``can_rest``) rests, and for how long.
+
+    After ``_REST_AFTER`` decisions in a row that kept no draft, or one
+    where the measured rate of resting beats the rule's corrected
+    prediction (``beats_drafting``), the next ``_REST_MIN`` steps skip the
+    proposer entirely; each rest that follows straight on the previous one
+    doubles, up to ``_REST_MAX`` steps. A rest ends early when half the
+    batch it began with is gone, or half the batch is new: that changes
+    what a draft is worth. (At batch 1, every new request: the last one's
+    worthless drafts say nothing of the next one's.)
+    """
+
+    _REST_AFTER = 3
+    _REST_MIN = 4
+    _REST_MAX = 32
+    # Decayed steps of each mode before they are compared: at batch 1 the
+    # host moves a step by +-25% between prompts, and with 8 the comparison
+    # rested through copy stretches.
+    _MODE_EVIDENCE = 32.0
+    # Rest is probed until this much of it is measured (two short rests),
+    # not until the comparison may start: at batch 1, probing on to 32
+    # rested through copy stretches again.
+    _PROBE_EVIDENCE = 8.0
+    _REST_MARGIN = 0.02      # resting must measure this much faster
+    _REST_PROBE_GAP = 64     # awake steps before resting once to measure it
+    # ... where the rule expects less than this gain from drafting: about
+    # what an awake step's own work costs.
+    _REST_PROBE_GAIN = 1.02
+
+    def __init__(self):
+        self.modes = ModeRates()
+        self.resting = False          # the current step rests
+        self.left = 0                 # steps still to rest
+        self.length = self._REST_MIN  # the next rest's length
+        self.zero_run = 0             # decisions in a row that kept no draft
+        self.batch_ids: frozenset = frozenset()   # the batch when the rest began
+        self.decided = False          # the decision just made rests from the next step
+        self.awake_since = 0          # step the current awake stretch began
+        self.steps = 0                # steps rested
+        self.probes = 0               # rests begun to measure resting
+        # The step just observed, for ModeRates once its proposer time is
+        # known; and the rate the rule promised for the drafts just decided.
+        self._record: tuple | None = None
+        self.promised = float("nan")
+
+    @property
+    def pending(self) -> bool:
+        return self.left > 0
+
+    def start_step(self, ctx: StepContext, step: int) -> bool:
+        """Whether this step rests; measures the step before it."""
+        self._close_record(ctx)
+        was_resting, self.resting = self.resting, False
+        if self.left > 0:
+            self.left -= 1
+            joined = sum(r.req_id not in self.batch_ids for r in ctx.requests)
+            if (2 * len(ctx.requests) > len(self.batch_ids)
+                    and 2 * joined < len(ctx.requests)):
+                self.resting = True
+                self.steps += 1
+                self._record = _mode_record(ctx, True, float("nan"))
+                self.promised = float("nan")
+                return True
+            self.left = 0
+        if was_resting:
+            self.awake_since = step
+        # This step verified what the previous decision kept: its prediction.
+        self._record = _mode_record(ctx, False, self.promised)
+        self.promised = float("nan")
+        return False
+
+    def _close_record(self, ctx: StepContext) -> None:
+        """Close the previous step's record: its proposer time arrives now.
+        Our own work in it: the top-k extraction of its forward, and the
+        proposer call that followed."""
+        rec, self._record = self._record, None
+        if rec is None or not rec[1]:
+            return
+        resting, batch, tokens, seconds, promised, topk = rec
+        propose = ctx.last_propose_seconds
+        own = float("nan") if propose is None else propose + (topk or 0.0)
+        if seconds:
+            self.modes.observe(resting, batch, tokens, seconds + (propose or 0.0),
+                               promised, own_seconds=own)
+
+    def beats_drafting(self, batch: int, goodput: float, idle: float, step: int) -> bool:
+        """Whether to rest from this step on. Resting's rate at this batch
+        size is measured; drafting's is the rule's prediction for this
+        decision times the measured ratio of delivered to promised tokens of
+        awake steps (so costs the model misses count, and a change in
+        acceptance counts at once). Unmeasured rest is tried once where the
+        corrected prediction gains less than 2% over the model's idle step."""
+        rest, _, n_rest, n_awake = self.modes.rates(batch)
+        drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
+        if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
+            return drafting < (1.0 - self._REST_MARGIN) * rest
+        if (n_rest < self._PROBE_EVIDENCE and drafting < self._REST_PROBE_GAIN * idle
+                and step - self.awake_since >= self._REST_PROBE_GAP):
+            self.probes += 1
+            return True
+        return False
+
+    def after_decide(self, ctx: StepContext, kept_any: bool, offered: bool,
+                     may_rest: Callable[[], bool]) -> None:
+        """Count the decision towards a rest, and begin one when due
+        (``may_rest`` is asked only for a decision that kept nothing)."""
+        decided, self.decided = self.decided, False
+        if kept_any:
+            self.zero_run = 0
+            self.length = self._REST_MIN
+            return
+        if not (offered and may_rest()):
+            return
+        self.zero_run += 1
+        if decided or self.zero_run >= self._REST_AFTER:
+            self.zero_run = 0
+            self.left = self.length
+            self.length = min(2 * self.length, self._REST_MAX)
+            self.batch_ids = frozenset(r.req_id for r in ctx.requests)
+
+
+def _mode_record(ctx: StepContext, resting: bool, predicted: float) -> tuple | None:
+    """What ``ModeRates`` learns from this step once its proposer time is
+    known; None for a step that ran prompt tokens. A prefill costs what its
+    prompt costs, in either mode, and emits next to nothing: in flight,
+    where requests join all the time, such steps would make the awake rate
+    read as a fraction of the resting one."""
+    tokens, decode = step_tokens(ctx)
+    if tokens > decode:
+        return None
+    emitted = float(sum(len(r.accepted) for r in ctx.requests))
+    return (resting, len(ctx.requests), emitted, float(ctx.last_step_seconds or 0.0),
+            predicted, ctx.last_topk_seconds)
