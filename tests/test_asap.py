@@ -1,6 +1,6 @@
 """Grammar-aligned sampling (ASAp) against the exact grammar-conditioned distribution.
 
-No engine: a tiny random Llama (``vllm_plugins.testing.tiny_llama``, the default
+No engine: a tiny random Llama (``tests.tiny_model.tiny_llama``, the default
 model's tokenizer) gives the next-token logits, and ``GrammarLogitsProcessor``
 is driven the way vLLM's V1 sampler drives it (``update_state`` with a
 ``BatchUpdate``, ``apply`` on the raw logits row, then a temperature-scaled
@@ -60,7 +60,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from vllm_plugins.testing import tiny_llama
+    from tests.tiny_model import tiny_llama
 
     return tiny_llama(tmp_path_factory.mktemp("asap") / "tiny", num_layers=2)
 

@@ -35,7 +35,7 @@ LATER = 100  # aligned samples of the last rounds, compared with the target
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from vllm_plugins.testing import tiny_llama
+    from tests.tiny_model import tiny_llama
 
     return tiny_llama(tmp_path_factory.mktemp("asap_e2e") / "tiny", num_layers=2)
 

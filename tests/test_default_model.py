@@ -227,7 +227,7 @@ def test_tiny_llama_shares_the_tokenizer_and_is_small(tmp_path, model_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_plugins.testing import tiny_llama
+    from tests.tiny_model import tiny_llama
 
     path = Path(tiny_llama(tmp_path / "tiny", num_layers=3))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
