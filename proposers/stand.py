@@ -28,10 +28,12 @@ Exactness rules kept here (see docs/stand.md):
    fixed before drafting, then cut to what was drafted.
 
 Memory (stated, bounded): ``max_entries`` contexts in all stores together
-(default 2^18). An entry is ``topk`` (token int32, probability float32) pairs
-and a weight in numpy arrays (68 B at topk=8; arrays grow by doubling, so up
-to 2x that allocated) plus its LRU index node in an OrderedDict (~200 B):
-at most ~340 B per entry, ~85 MiB at the defaults, whatever the number of
+(default 2^18). A store's slot is ``topk`` (token int32, probability float32)
+pairs, a weight, its key, two LRU links, a free-stack entry and, in the
+index (a power of two at least twice the slots), at most 4 int32 cells:
+8 * topk + 40 B, 104 B at topk=8 (``stand_store``). Arrays grow by doubling,
+so up to 2 slots are allocated per entry: at most ~208 B per entry, ~52 MiB
+at the defaults, whatever the number of
 requests. Eviction, checked once per engine step: stores with no live
 request go first, least recently used first; then every live store drops its
 least recently used entries in proportion to its size. Idle stores are also
@@ -42,156 +44,20 @@ requests is never dropped (that would make them re-seed every step).
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 import numpy as np
 
 from vllm_plugins.options import Option, flag, integer, number, unit_float
 from vllm_plugins.proposers.base import PluginProposer, trim
+from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 _MASK = (1 << 63) - 1
-_P1 = 0x100000001B3
-_P2 = 0x9E3779B97F4A7C15
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 # Controllers whose choice for position j depends only on positions <= j
 # (see the module docstring, rule 2).
 PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
-
-
-def context_keys(seq, max_order: int) -> list[int]:
-    """Keys of the contexts ending seq: orders 1..max_order (shorter if seq is)."""
-    keys = []
-    h = 0xCBF29CE484222325
-    n = len(seq)
-    for i in range(1, min(max_order, n) + 1):
-        h = ((h ^ int(seq[n - i])) * _P1) & _MASK
-        keys.append(((h ^ (i * _P2)) * _P1) & _MASK)
-    return keys
-
-
-class NgramStore:
-    """One prompt group's table: context key -> the target's next-token distribution.
-
-    An entry holds up to ``width`` (token, probability) pairs sorted by
-    descending probability (target probabilities at temperature 1; the rest of
-    the mass is unknown) and a weight: the number of observations averaged in,
-    capped at ``history`` so the entry keeps adapting. Prompt-copied entries
-    have weight 0: the first observation by the target replaces them.
-    """
-
-    def __init__(self, width: int, capacity: int, history: int, initial: int = 256):
-        self.width = width
-        self.capacity = capacity
-        self.history = float(history)
-        self.index: OrderedDict[int, int] = OrderedDict()  # key -> slot, LRU order
-        n = min(initial, capacity)
-        self.ids = np.full((n, width), -1, dtype=np.int32)
-        self.probs = np.zeros((n, width), dtype=np.float32)
-        self.weight = np.zeros(n, dtype=np.float32)
-        self.free: list[int] = list(range(n - 1, -1, -1))
-        self.evicted = 0
-        self.seeded = False
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-    def nbytes(self) -> int:
-        arrays = self.ids.nbytes + self.probs.nbytes + self.weight.nbytes
-        return arrays + 200 * len(self.index)  # OrderedDict node + two ints
-
-    def evict_lru(self, count: int) -> None:
-        """Drop the ``count`` least recently used entries."""
-        for _ in range(min(count, len(self.index))):
-            _, slot = self.index.popitem(last=False)
-            self.free.append(slot)
-            self.evicted += 1
-
-    # ------------------------------------------------------------- slots
-    def _grow(self) -> None:
-        n = len(self.weight)
-        m = min(2 * n, self.capacity)
-        self.ids = np.concatenate([self.ids, np.full((m - n, self.width), -1, np.int32)])
-        self.probs = np.concatenate([self.probs, np.zeros((m - n, self.width), np.float32)])
-        self.weight = np.concatenate([self.weight, np.zeros(m - n, np.float32)])
-        self.free.extend(range(m - 1, n - 1, -1))
-
-    def _slot_for(self, key: int) -> int:
-        slot = self.index.get(key)
-        if slot is not None:
-            self.index.move_to_end(key)
-            return slot
-        if not self.free:
-            if len(self.weight) < self.capacity:
-                self._grow()
-            else:
-                _, slot = self.index.popitem(last=False)  # least recently used
-                self.evicted += 1
-                self.free.append(slot)
-        slot = self.free.pop()
-        self.index[key] = slot
-        self.ids[slot] = -1
-        self.probs[slot] = 0.0
-        self.weight[slot] = 0.0
-        return slot
-
-    # ------------------------------------------------------------- learning
-    def observe(self, key: int, ids: np.ndarray, probs: np.ndarray) -> None:
-        """Average the target's distribution (top-k ids, probs) into an entry."""
-        slot = self._slot_for(key)
-        w = float(self.weight[slot])
-        if w == 0.0:  # new, or a prompt seed: the target's view replaces it
-            merged = {int(t): float(p) for t, p in zip(ids, probs) if p > 0.0}
-        else:
-            a = w / (w + 1.0)
-            b = 1.0 / (w + 1.0)
-            merged = {}
-            for t, p in zip(self.ids[slot].tolist(), self.probs[slot].tolist()):
-                if t >= 0:
-                    merged[t] = a * p
-            for t, p in zip(ids.tolist(), probs.tolist()):
-                if p > 0.0:
-                    merged[t] = merged.get(t, 0.0) + b * p
-        self._write(slot, merged)
-        self.weight[slot] = min(w + 1.0, self.history)
-
-    def seed(self, key: int, token: int, prob: float) -> None:
-        """A prompt n-gram: only where the target has not spoken yet."""
-        slot = self.index.get(key)
-        if slot is not None and self.weight[slot] > 0.0:
-            return
-        slot = self._slot_for(key)
-        self.ids[slot] = -1
-        self.probs[slot] = 0.0
-        self.ids[slot, 0] = token
-        self.probs[slot, 0] = prob
-
-    def _write(self, slot: int, merged: dict[int, float]) -> None:
-        top = sorted(merged.items(), key=lambda kv: -kv[1])[:self.width]
-        self.ids[slot] = -1
-        self.probs[slot] = 0.0
-        if top:
-            self.ids[slot, :len(top)] = [t for t, _ in top]
-            self.probs[slot, :len(top)] = [p for _, p in top]
-
-    # ------------------------------------------------------------- lookup
-    def find(self, seq, max_order: int) -> tuple[int, int]:
-        """(slot, order) of the longest stored context ending seq, or (-1, 0)."""
-        keys = context_keys(seq, max_order)
-        for order in range(len(keys), 0, -1):
-            key = keys[order - 1]
-            slot = self.index.get(key)
-            if slot is not None:
-                self.index.move_to_end(key)
-                return slot, order
-        return -1, 0
-
-    def is_seed(self, slot: int) -> bool:
-        return bool(self.weight[slot] == 0.0)
-
-    def entry(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.ids[slot]
-        n = int((ids >= 0).sum())
-        return ids[:n], self.probs[slot, :n]
 
 
 def draft_distribution(probs: np.ndarray, temperature: float, top_k: int = 0,
@@ -328,6 +194,7 @@ class StandProposer(PluginProposer):
         self._pad_sampled = o["draft_length"] not in PREFIX_CAUSAL_POLICIES
         self._real_lengths: list[int] | None = None
         self.calibration = KindCalibration(self.max_order)
+        self._chain_out: tuple[np.ndarray, ...] | None = None
         # Per request: (kind, score) of each draft handed to vLLM last step.
         self._pending: dict[str, list[tuple[int, float]]] = {}
         self._last_kinds: list[list[tuple[int, float]]] | None = None
@@ -341,6 +208,10 @@ class StandProposer(PluginProposer):
         self.stores_created = 0
         self.drafted = {"greedy": 0, "sampled": 0}
         self.lookups = {"hit": 0, "miss": 0}
+
+    def load_model(self, target_model: Any) -> None:
+        super().load_model(target_model)
+        warm_up()  # numba compiles (or loads) the store's loops now, not in a step
 
     # ------------------------------------------------------------ lifecycle
     SWEEP_STEPS = 256
@@ -459,13 +330,7 @@ class StandProposer(PluginProposer):
     def _seed(self, store: NgramStore, tokens: np.ndarray) -> None:
         """Prompt (and output so far) n-grams, before the target has spoken."""
         store.seeded = True
-        toks = tokens.tolist()
-        prob = float(self.options["prompt_prob"])
-        for end in range(1, len(toks)):
-            nxt = toks[end]
-            for key in context_keys(toks[max(0, end - self.max_order):end],
-                                    self.max_order):
-                store.seed(key, nxt, prob)
+        store.seed_tokens(tokens, self.max_order, float(self.options["prompt_prob"]))
 
     def _learn(self, store: NgramStore, r: RequestStep) -> None:
         if r.topk_ids is None or len(r.verified_tokens) == 0:
@@ -473,15 +338,11 @@ class StandProposer(PluginProposer):
         rows = min(len(r.verified_tokens), len(r.topk_ids))
         base = len(r.context) - len(r.accepted)
         lo = max(0, base - self.max_order)
-        seq = (np.asarray(r.context[lo:base], dtype=np.int64).tolist()
-               + np.asarray(r.verified_tokens[1:rows], dtype=np.int64).tolist())
+        seq = np.concatenate([np.asarray(r.context[lo:base], dtype=np.int64),
+                              np.asarray(r.verified_tokens[1:rows], dtype=np.int64)])
         head = base - lo  # seq[:head] ends with verified_tokens[0]
         probs = np.exp(np.asarray(r.topk_logprobs[:rows], dtype=np.float64))
-        for j in range(rows):
-            tail = seq[max(0, head + j - self.max_order):head + j]
-            ids = r.topk_ids[j]
-            for key in context_keys(tail, self.max_order):
-                store.observe(key, ids, probs[j])
+        store.observe_rows(seq, head, r.topk_ids[:rows], probs, self.max_order)
 
     # ------------------------------------------------------------ drafting
     def draft(self, ctx: StepContext) -> Drafts:
@@ -539,6 +400,8 @@ class StandProposer(PluginProposer):
         whole path is accepted) would fall under ``min_path_prob``; all of it
         is known before the token at j is drawn.
         """
+        if not sampled:
+            return self._greedy_chain(store, r.context[-self.max_order:], length)
         seq = [int(x) for x in r.context[-self.max_order:]]
         out: list[int] = []
         confs: list[float] = []
@@ -597,6 +460,51 @@ class StandProposer(PluginProposer):
                 else:
                     dense[j, ids] = q32
         return out, dense, np.asarray(confs, dtype=np.float32), kinds
+
+    def _greedy_chain(self, store: NgramStore, tail: np.ndarray, length: int,
+                      counted: bool = True):
+        """``chain`` at temperature 0, in one numba loop over the store.
+        ``counted``: a drafting step's walk, which counts in the metrics and
+        makes the entries it reads the most recently used."""
+        bufs = self._chain_buffers(length)
+        cal = self.calibration
+        n, hits, misses = greedy_chain(
+            store.ids, store.probs, store.weight, store.keys, store.table, store.prev,
+            store.next, store.meta, np.asarray(tail, dtype=np.int64), length,
+            self.max_order, cal.accepted, cal.trials, cal.score_sum, cal.prior,
+            bool(self.options["calibrate"]), float(self.options["min_path_prob"]),
+            counted, *bufs)
+        tok, conf, kind, score = (b[:n] for b in bufs)
+        if counted:
+            self.lookups["hit"] += hits
+            self.lookups["miss"] += misses
+            self.drafted["greedy"] += n
+        kinds = list(zip(kind.tolist(), score.tolist()))
+        return tok.tolist(), None, conf.astype(np.float32), kinds
+
+    def _chain_buffers(self, length: int):
+        """The greedy walk's output buffers (tokens, confidences, kinds,
+        scores), allocated once and grown to the longest draft asked for."""
+        if self._chain_out is None or len(self._chain_out[0]) < length:
+            self._chain_out = (np.empty(length, np.int64), np.empty(length, np.float64),
+                               np.empty(length, np.int64), np.empty(length, np.float64))
+        return self._chain_out
+
+    def continue_draft(self, request: RequestStep, prefix, n: int) -> np.ndarray:
+        """The most probable continuation, up to ``n`` tokens, of a draft that
+        starts with ``prefix`` (tokens this proposer did not draft): the
+        greedy walk of the request's store from its context plus the prefix,
+        under the same path-probability stop as a draft. It leaves the store,
+        its LRU order and the metrics as they are. Empty when the request has
+        no store yet."""
+        key = self._req_key.get(request.req_id)
+        store = self.stores.get(key) if key is not None else None
+        if store is None or n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        tail = np.concatenate([np.asarray(request.context[-self.max_order:], np.int64),
+                               np.asarray(prefix, np.int64)])[-self.max_order:]
+        tokens = self._greedy_chain(store, tail, int(n), counted=False)[0]
+        return np.asarray(tokens, dtype=np.int64)
 
     def _debug_mode(self, params) -> str:
         mode = self.options["debug_probs"]

@@ -15,173 +15,25 @@ seed empty entries, so a request can copy from its own prompt before the
 target has verified anything.
 
 Memory (stated, fixed at start): matrix vocab*k*(4+4) bytes (SmolLM2, k=8:
-1.5 MiB); context table context_slots*(8+4+4) bytes (default 2^20: 16 MiB).
+3.0 MiB); context table context_slots*(8+4+4) bytes (default 2^20: 16 MiB);
+the walk's buffers, batch x num_speculative_tokens x 8 bytes, grown to the
+largest batch seen. Tables and walk: ``token_recycling_tables``.
 """
 
 from __future__ import annotations
 
 import atexit
-import math
 import os
+from typing import Any
 
 import numpy as np
 
 from vllm_plugins.options import Option, flag, integer, positive_int, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
-from vllm_plugins.step_context import Drafts, StepContext
-
-_MASK = (1 << 63) - 1
-_PRIME = 1000003
-# Seeded (prompt-copied) entries carry this log-probability: unknown to the
-# target, so drafting trusts them like a coin flip.
-_SEED_LOGP = math.log(0.5)
-
-
-def context_hash(tokens, order: int) -> int:
-    h = 0x9E3779B97F4A7C15 ^ order
-    for t in tokens:
-        h = ((h * _PRIME) ^ int(t)) & _MASK
-    return h
-
-
-def context_hashes(seq: np.ndarray, ends: np.ndarray, orders: np.ndarray) -> np.ndarray:
-    """``context_hash(seq[e - n:e], n)`` for every pair (e, n), at once.
-
-    The same values: uint64 products wrap modulo 2**64, and the mask keeps
-    the low 63 bits, which the wrap leaves as the exact product has them.
-    """
-    h = np.uint64(0x9E3779B97F4A7C15) ^ orders.astype(np.uint64)
-    prime, mask = np.uint64(_PRIME), np.uint64(_MASK)
-    for i in range(int(orders.max(initial=0))):
-        live = i < orders
-        t = seq[np.where(live, ends - orders + i, 0)].astype(np.uint64)
-        h = np.where(live, ((h * prime) ^ t) & mask, h)
-    return h
-
-
-class RecyclingTables:
-    """The adjacency matrix plus the higher-order context tables."""
-
-    def __init__(self, vocab_size: int, k: int, context_order: int, slots: int):
-        self.vocab_size = vocab_size
-        self.k = k
-        self.context_order = context_order
-        self.ids = np.full((vocab_size, k), -1, dtype=np.int32)
-        self.logp = np.full((vocab_size, k), -np.inf, dtype=np.float32)
-        self.slots = slots if context_order >= 2 else 1
-        self.ctx_key = np.full(self.slots, -1, dtype=np.int64)
-        self.ctx_tok = np.full(self.slots, -1, dtype=np.int32)
-        self.ctx_logp = np.full(self.slots, -np.inf, dtype=np.float32)
-
-    # ------------------------------------------------------------- learning
-    def learn_rows(self, inputs: np.ndarray, topk_ids: np.ndarray,
-                   topk_logprobs: np.ndarray) -> None:
-        """Matrix rows of the verified input tokens <- the target's top-k."""
-        k = min(self.k, topk_ids.shape[1])
-        self.ids[inputs, :k] = topk_ids[:, :k]
-        self.logp[inputs, :k] = topk_logprobs[:, :k]
-
-    def learn_context(self, seq: np.ndarray, end: int, tok: int, logp: float,
-                      only_if_empty: bool = False) -> None:
-        """Context tables: the last n tokens of seq[:end] -> tok, n = 2..order."""
-        self.learn_contexts(np.asarray(seq), np.array([end]), np.array([tok]),
-                            np.array([logp], np.float32), only_if_empty=only_if_empty)
-
-    def learn_contexts(self, seq: np.ndarray, ends: np.ndarray, toks: np.ndarray,
-                       logps: np.ndarray, starts: np.ndarray | None = None,
-                       only_if_empty: bool = False) -> None:
-        """``learn_context`` for many ends of ``seq`` in one pass, as if
-        called for each in order (a later end overwrites an earlier one's
-        slot). A context reaches back no further than its ``starts`` entry
-        (default 0): several requests' sequences may share ``seq``. With
-        ``only_if_empty`` (prompt seeding) a context already in the table
-        keeps its entry, and within the call its first occurrence wins."""
-        if self.context_order < 2 or len(ends) == 0:
-            return
-        orders = np.arange(2, self.context_order + 1)
-        e = np.repeat(np.asarray(ends, np.int64), len(orders))
-        n = np.tile(orders, len(ends))
-        lo = 0 if starts is None else np.repeat(np.asarray(starts, np.int64), len(orders))
-        ok = e - n >= lo
-        pick = np.repeat(np.arange(len(ends)), len(orders))[ok]
-        e, n = e[ok], n[ok]
-        keys = context_hashes(seq, e, n).astype(np.int64)
-        slots = keys % self.slots
-        if only_if_empty:
-            fresh = self.ctx_key[slots] != keys
-            first = np.zeros(len(keys), bool)
-            first[np.unique(keys, return_index=True)[1]] = True
-            fresh &= first
-            keys, slots, pick = keys[fresh], slots[fresh], pick[fresh]
-        # Repeated slots: numpy's advanced assignment keeps the last value.
-        self.ctx_key[slots] = keys
-        self.ctx_tok[slots] = np.asarray(toks)[pick]
-        self.ctx_logp[slots] = np.asarray(logps)[pick]
-
-    def seed_matrix(self, tokens: np.ndarray) -> None:
-        """Prompt bigrams fill matrix rows the target has not filled yet."""
-        if len(tokens) < 2:
-            return
-        prev, nxt = tokens[:-1], tokens[1:]
-        empty = self.ids[prev, 0] < 0
-        self.ids[prev[empty], 0] = nxt[empty]
-        self.logp[prev[empty], 0] = _SEED_LOGP
-
-    # ------------------------------------------------------------- drafting
-    def next_token(self, seq: list[int]) -> tuple[int, float]:
-        for n in range(min(self.context_order, len(seq)), 1, -1):
-            h = context_hash(seq[-n:], n)
-            slot = h % self.slots
-            if self.ctx_key[slot] == h:
-                return int(self.ctx_tok[slot]), float(self.ctx_logp[slot])
-        last = seq[-1]
-        return int(self.ids[last, 0]), float(self.logp[last, 0])
-
-    def chain(self, tail: list[int], length: int, min_confidence: float
-              ) -> tuple[list[int], list[float]]:
-        """Most probable chain; stops when the running product of the stored
-        top-1 probabilities (the chain's estimated acceptance) falls below
-        min_confidence."""
-        seq = list(tail)
-        out, conf = [], []
-        running = 1.0
-        for _ in range(length):
-            tok, lp = self.next_token(seq)
-            if tok < 0:
-                break
-            p = math.exp(lp)
-            running *= p
-            if running < min_confidence:
-                break
-            out.append(tok)
-            conf.append(p)
-            seq.append(tok)
-        return out, conf
-
-    # ------------------------------------------------------------- persistence
-    def save(self, path: str) -> None:
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, ids=self.ids, logp=self.logp, ctx_key=self.ctx_key,
-                 ctx_tok=self.ctx_tok, ctx_logp=self.ctx_logp,
-                 meta=np.array([self.vocab_size, self.k, self.context_order,
-                                self.slots]))
-        os.replace(tmp, path)
-
-    def load(self, path: str) -> None:
-        with np.load(path) as f:
-            meta = [int(x) for x in f["meta"]]
-            mine = [self.vocab_size, self.k, self.context_order, self.slots]
-            if meta != mine:
-                raise ValueError(
-                    f"token_recycling warm_start_path {path!r} holds tables for "
-                    f"(vocab, topk, context_order, context_slots)={tuple(meta)}, "
-                    f"but this engine uses {tuple(mine)}")
-            self.ids[...] = f["ids"]
-            self.logp[...] = f["logp"]
-            self.ctx_key[...] = f["ctx_key"]
-            self.ctx_tok[...] = f["ctx_tok"]
-            self.ctx_logp[...] = f["ctx_logp"]
+from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, RecyclingTables,
+                                                           warm_up)
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 
 class TokenRecyclingProposer(PluginProposer):
@@ -214,6 +66,11 @@ class TokenRecyclingProposer(PluginProposer):
         if o["save_path"]:
             atexit.register(self.tables.save, o["save_path"])
         self._seen: set[str] = set()
+        self._walk: tuple[np.ndarray, ...] | None = None  # see _walk_buffers
+
+    def load_model(self, target_model: Any) -> None:
+        super().load_model(target_model)
+        warm_up()  # numba compiles (or loads) the walk now, not in a step
 
     def free(self, req_id: str) -> None:
         self._seen.discard(req_id)
@@ -261,7 +118,7 @@ class TokenRecyclingProposer(PluginProposer):
         t.seed_matrix(prompt)
         if len(prompt) > 2:
             t.learn_contexts(prompt, np.arange(2, len(prompt)), prompt[2:],
-                             np.full(len(prompt) - 2, _SEED_LOGP, np.float32),
+                             np.full(len(prompt) - 2, SEED_LOGP, np.float32),
                              only_if_empty=True)
 
     def draft(self, ctx: StepContext) -> Drafts:
@@ -269,9 +126,47 @@ class TokenRecyclingProposer(PluginProposer):
         n = len(ctx.requests)
         tokens: list[list[int]] = [[] for _ in range(n)]
         conf: list[np.ndarray | None] = [None] * n
-        order = self.tables.context_order
-        for i, r, length in self.drafting_requests(ctx):
-            tail = [int(x) for x in r.context[-order:]]
-            tokens[i], c = self.tables.chain(tail, length, self.options["min_confidence"])
-            conf[i] = np.asarray(c, dtype=np.float32)
+        drafting = list(self.drafting_requests(ctx))
+        if not drafting:
+            return Drafts(tokens, None, conf)
+        order = max(self.tables.context_order, 1)
+        rows, tails, tail_lens, lengths, out_tok, out_conf, out_len = \
+            self._walk_buffers(len(drafting), max(length for _, _, length in drafting))
+        for j, (i, r, length) in enumerate(drafting):
+            tail = r.context[-order:]
+            tails[j, :len(tail)] = tail
+            tail_lens[j] = len(tail)
+            lengths[j] = length
+        self.tables.walk(tails[:rows], tail_lens[:rows], lengths[:rows],
+                         self.options["min_confidence"], out_tok, out_conf, out_len)
+        for j, (i, _, _) in enumerate(drafting):
+            m = out_len[j]
+            tokens[i] = out_tok[j, :m].tolist()
+            conf[i] = out_conf[j, :m].astype(np.float32)
         return Drafts(tokens, None, conf)
+
+    def _walk_buffers(self, rows: int, length: int):
+        """The walk's inputs and outputs for ``rows`` requests of drafts up
+        to ``length``: allocated once, grown when a step needs more."""
+        buf = self._walk
+        if buf is None or len(buf[1]) < rows or buf[3].shape[1] < length:
+            rows_cap = max(rows, 0 if buf is None else len(buf[1]))
+            len_cap = max(length, self.max_draft, 0 if buf is None else buf[3].shape[1])
+            order = max(self.tables.context_order, 1)
+            buf = self._walk = (
+                np.zeros((rows_cap, order), np.int64), np.zeros(rows_cap, np.int64),
+                np.zeros(rows_cap, np.int64), np.zeros((rows_cap, len_cap), np.int64),
+                np.zeros((rows_cap, len_cap), np.float64), np.zeros(rows_cap, np.int64))
+        return (rows,) + buf
+
+    def continue_draft(self, request: RequestStep, prefix, n: int) -> np.ndarray:
+        """Up to ``n`` tokens after a draft prefix this proposer did not draft:
+        the table walk from the request's context followed by the prefix,
+        under the same confidence stop as a draft. Reads the tables only."""
+        if n <= 0:
+            return np.zeros(0, dtype=np.int64)
+        order = max(self.tables.context_order, 1)
+        tail = np.concatenate([np.asarray(request.context[-order:], np.int64),
+                               np.asarray(prefix, np.int64)])[-order:]
+        return np.asarray(self.tables.chain(tail, int(n), self.options["min_confidence"])[0],
+                          dtype=np.int64)

@@ -1,9 +1,11 @@
+import math
+
 import numpy as np
 import pytest
 
-from vllm_plugins.proposers.token_recycling import (RecyclingTables,
-                                                    TokenRecyclingProposer,
-                                                    context_hash, context_hashes)
+from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
+from vllm_plugins.proposers.token_recycling_tables import (RecyclingTables, context_hash,
+                                                           context_hashes)
 from vllm_plugins.step_context import RequestStep, StepContext
 
 V = 50
@@ -151,3 +153,95 @@ def test_finished_requests_are_forgotten():
     assert "a" in p._seen
     p.step(StepContext([], finished={"a"}, max_draft=2))
     assert "a" not in p._seen
+
+
+def _plain_chain(t, tail, length, min_confidence):
+    """The walk as the plain Python loop was: the longest context with an
+    entry, else the matrix; stop on an unknown successor or when the running
+    product of stored probabilities falls below min_confidence."""
+    seq, out, conf, running = [int(x) for x in tail], [], [], 1.0
+    for _ in range(length):
+        for n in range(min(t.context_order, len(seq)), 1, -1):
+            h = context_hash(seq[-n:], n)
+            if t.ctx_key[h % t.slots] == h:
+                tok, lp = int(t.ctx_tok[h % t.slots]), float(t.ctx_logp[h % t.slots])
+                break
+        else:
+            tok, lp = int(t.ids[seq[-1], 0]), float(t.logp[seq[-1], 0])
+        if tok < 0:
+            break
+        running *= math.exp(lp)
+        if running < min_confidence:
+            break
+        out.append(tok)
+        conf.append(math.exp(lp))
+        seq.append(tok)
+    return out, conf
+
+
+def _random_tables(rng, order, slots=1024):
+    t = RecyclingTables(V, 2, order, slots)
+    known = rng.random(V) < 0.8  # some tokens have no successor yet
+    rows = np.flatnonzero(known)
+    t.learn_rows(rows, rng.integers(0, V, (len(rows), 2)),
+                 np.log(rng.uniform(0.2, 1.0, (len(rows), 2))).astype(np.float32))
+    seq = rng.integers(0, 8, 600)  # few symbols: contexts repeat, slots collide
+    t.learn_contexts(seq, np.arange(600), rng.integers(0, 8, 600),
+                     np.log(rng.uniform(0.3, 1.0, 600)).astype(np.float32))
+    return t
+
+
+@pytest.mark.parametrize("order", [1, 2, 3, 5])
+def test_walk_matches_the_plain_loop(order):
+    rng = np.random.default_rng(order)
+    t = _random_tables(rng, order)
+    n, width = 300, max(order, 1)
+    tail_lens = rng.integers(1, width + 1, n)
+    tails = np.zeros((n, width), np.int64)
+    for i, m in enumerate(tail_lens):
+        tails[i, :m] = rng.integers(0, 8, m)
+    lengths = rng.integers(0, 9, n)
+    out_tok, out_conf = np.zeros((n, 8), np.int64), np.zeros((n, 8))
+    out_len = np.zeros(n, np.int64)
+    for min_conf in (0.0, 0.02, 0.3):
+        t.walk(tails, tail_lens, lengths, min_conf, out_tok, out_conf, out_len)
+        drafted = 0
+        for i in range(n):
+            want = _plain_chain(t, tails[i, :tail_lens[i]], lengths[i], min_conf)
+            m = out_len[i]
+            assert (out_tok[i, :m].tolist(), out_conf[i, :m].tolist()) == want
+            assert t.chain(tails[i, :tail_lens[i]], lengths[i], min_conf) == want
+            drafted += m
+        assert drafted > n // 2  # the walks are not all empty
+
+
+def test_drafts_are_the_plain_walk_of_each_request_as_batches_change():
+    p = proposer(context_order=3)
+    rng = np.random.default_rng(5)
+    p.tables = _random_tables(rng, 3, slots=1 << 16)
+    for size in (3, 16, 1, 7):  # the walk's buffers grow and are reused
+        reqs = []
+        for j in range(size):
+            ctx = rng.integers(0, 8, int(rng.integers(4, 20)))
+            reqs.append(step(f"r{size}-{j}", ctx, ctx[-1:], ctx[-2:-1], None, None))
+        reqs.append(step("prefill", [1, 2], [], [1], None, None))
+        drafts = p.step(StepContext(reqs, max_draft=6))
+        assert drafts.tokens[-1] == []
+        for r, tok, conf in zip(reqs[:-1], drafts.tokens, drafts.confidence):
+            want_tok, want_conf = _plain_chain(p.tables, r.context[-3:], 6, 0.02)
+            assert tok == want_tok
+            assert conf.dtype == np.float32 and conf.tolist() == np.float32(want_conf).tolist()
+
+
+def test_continue_draft_walks_from_the_prefix_and_reads_only():
+    p = proposer(context_order=3)
+    p.tables = _random_tables(np.random.default_rng(6), 3, slots=1 << 16)
+    r = step("a", [1, 2, 3, 4], [4], [3], None, None)
+    before = [a.copy() for a in (p.tables.ids, p.tables.ctx_key, p.tables.ctx_tok)]
+    for prefix in ([], [5], [5, 6], [5, 6, 7, 1]):
+        got = p.continue_draft(r, prefix, 5)
+        want = _plain_chain(p.tables, ([1, 2, 3, 4] + prefix)[-3:], 5, 0.02)[0]
+        assert got.dtype == np.int64 and got.tolist() == want
+    assert p.continue_draft(r, [5], 0).tolist() == []
+    after = (p.tables.ids, p.tables.ctx_key, p.tables.ctx_tok)
+    assert all((a == b).all() for a, b in zip(before, after))
