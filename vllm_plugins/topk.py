@@ -2,9 +2,8 @@
 
 The bridge extracts the top-k of every verified row each awake step for the
 proposers that learn from the target (Token Recycling, STAND). On CPU,
-``torch.topk`` over a 49k vocabulary was most of that work: at batch 16 our
-own work per awake step measured about 9.5 ms, against 0.13 ms resting
-(docs/benchmarks.md, issue 3). Here the vocabulary is cut into blocks of
+``torch.topk`` over a 49k vocabulary was most of the bridge's own work on
+an awake step. Here the vocabulary is cut into blocks of
 ``BLOCK`` logits: one pass takes every block's maximum, the k best blocks
 are the only ones that can hold a top-k logit (each holds at least one logit
 at or above the k-th largest, and there are at most k such blocks), and the
