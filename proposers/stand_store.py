@@ -28,7 +28,8 @@ stopped; the caller grows the arrays and calls again from there.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+
+from vllm_plugins.proposers.jit import cached_njit
 
 _MASK = (1 << 63) - 1
 _P1 = 0x100000001B3
@@ -55,7 +56,7 @@ def context_keys(seq, max_order: int) -> list[int]:
 # uint64 products wrap modulo 2**64 and the mask keeps the low 63 bits, which
 # the wrap leaves as the exact product has them: the keys equal context_keys.
 
-@njit(cache=True)
+@cached_njit
 def _key(seq, end, order):
     """context_keys(seq[:end], order)[order - 1]."""
     h = np.uint64(_OFFSET)
@@ -66,14 +67,14 @@ def _key(seq, end, order):
     return np.int64(key)
 
 
-@njit(cache=True)
+@cached_njit
 def _bucket(key, size):
     x = np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)
     x ^= x >> np.uint64(32)
     return np.int64(x & np.uint64(size - 1))
 
 
-@njit(cache=True)
+@cached_njit
 def _lookup(table, keys, key):
     size = len(table)
     i = _bucket(key, size)
@@ -86,7 +87,7 @@ def _lookup(table, keys, key):
         i = (i + 1) & (size - 1)
 
 
-@njit(cache=True)
+@cached_njit
 def _table_insert(table, keys, slot):
     size = len(table)
     i = _bucket(keys[slot], size)
@@ -95,7 +96,7 @@ def _table_insert(table, keys, slot):
     table[i] = slot + 1
 
 
-@njit(cache=True)
+@cached_njit
 def _table_remove(table, keys, key):
     size = len(table)
     m = size - 1
@@ -115,7 +116,7 @@ def _table_remove(table, keys, key):
     table[i] = 0
 
 
-@njit(cache=True)
+@cached_njit
 def _rebuild_table(table, keys):
     table[:] = 0
     for s in range(len(keys)):
@@ -123,7 +124,7 @@ def _rebuild_table(table, keys):
             _table_insert(table, keys, s)
 
 
-@njit(cache=True)
+@cached_njit
 def _unlink(prev, nxt, meta, s):
     p, n = prev[s], nxt[s]
     if p >= 0:
@@ -136,7 +137,7 @@ def _unlink(prev, nxt, meta, s):
         meta[_TAIL] = p
 
 
-@njit(cache=True)
+@cached_njit
 def _append(prev, nxt, meta, s):
     t = meta[_TAIL]
     prev[s] = t
@@ -148,14 +149,14 @@ def _append(prev, nxt, meta, s):
     meta[_TAIL] = s
 
 
-@njit(cache=True)
+@cached_njit
 def _touch(prev, nxt, meta, s):
     if meta[_TAIL] != s:
         _unlink(prev, nxt, meta, s)
         _append(prev, nxt, meta, s)
 
 
-@njit(cache=True)
+@cached_njit
 def _evict_lru(keys, table, prev, nxt, free, meta, count):
     """Drop the ``count`` least recently used entries."""
     for _ in range(min(count, meta[_COUNT])):
@@ -169,7 +170,7 @@ def _evict_lru(keys, table, prev, nxt, free, meta, count):
         meta[_EVICTED] += 1
 
 
-@njit(cache=True)
+@cached_njit
 def _slot_for(ids, probs, weight, keys, table, prev, nxt, free, meta, capacity, key):
     """The key's slot (most recently used now), a new empty one, or _GROW."""
     s = _lookup(table, keys, key)
@@ -192,7 +193,7 @@ def _slot_for(ids, probs, weight, keys, table, prev, nxt, free, meta, capacity, 
     return s
 
 
-@njit(cache=True)
+@cached_njit
 def _merge(ids, probs, weight, slot, new_ids, new_p, history, cand_t, cand_p):
     """Average one observation (the target's top-k) into an entry.
 
@@ -257,7 +258,7 @@ def _merge(ids, probs, weight, slot, new_ids, new_p, history, cand_t, cand_p):
     weight[slot] = min(w + 1.0, history)
 
 
-@njit(cache=True)
+@cached_njit
 def _learn_rows(ids, probs, weight, keys, table, prev, nxt, free, meta, capacity,
                  history, seq, head, top_ids, top_p, max_order, start):
     """Row j of top_ids / top_p (the target's top-k after seq[:head + j])
@@ -282,7 +283,7 @@ def _learn_rows(ids, probs, weight, keys, table, prev, nxt, free, meta, capacity
     return total
 
 
-@njit(cache=True)
+@cached_njit
 def _seed_ngrams(ids, probs, weight, keys, table, prev, nxt, free, meta, capacity,
                 toks, max_order, prob, start):
     """Prompt n-grams: context toks[:end] -> toks[end] with probability prob,
@@ -309,7 +310,7 @@ def _seed_ngrams(ids, probs, weight, keys, table, prev, nxt, free, meta, capacit
     return total
 
 
-@njit(cache=True)
+@cached_njit
 def _find_longest(keys, table, prev, nxt, meta, seq, n, max_order, touch):
     """(slot, order) of the longest stored context ending seq[:n], or (-1, 0);
     the found entry becomes the most recently used when ``touch``."""
@@ -322,7 +323,7 @@ def _find_longest(keys, table, prev, nxt, meta, seq, n, max_order, touch):
     return -1, 0
 
 
-@njit(cache=True)
+@cached_njit
 def greedy_chain(ids, probs, weight, keys, table, prev, nxt, meta, tail, length,
                  max_order, cal_accepted, cal_trials, cal_score_sum, prior,
                  calibrate, threshold, touch, out_tok, out_conf, out_kind, out_score):

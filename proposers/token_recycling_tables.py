@@ -19,7 +19,8 @@ import math
 import os
 
 import numpy as np
-from numba import njit
+
+from vllm_plugins.proposers.jit import cached_njit
 
 _MASK = (1 << 63) - 1
 _PRIME = 1000003
@@ -189,7 +190,7 @@ class RecyclingTables:
 # The hash is context_hash's: uint64 products wrap modulo 2**64 and the mask
 # keeps the low 63 bits, which the wrap leaves as the exact product has them.
 
-@njit(cache=True)
+@cached_njit
 def _hash(seq, end, n):
     """context_hash(seq[end - n:end], n)."""
     h = np.uint64(0x9E3779B97F4A7C15) ^ np.uint64(n)
@@ -198,7 +199,7 @@ def _hash(seq, end, n):
     return np.int64(h)
 
 
-@njit(cache=True)
+@cached_njit
 def _learn_contexts(ctx_key, ctx_tok, ctx_logp, order, seq, ends, starts, toks, logps):
     """learn_contexts without only_if_empty: each end's contexts, orders
     2..order, written in that order, so a later pair overwrites an earlier
@@ -215,7 +216,7 @@ def _learn_contexts(ctx_key, ctx_tok, ctx_logp, order, seq, ends, starts, toks, 
             ctx_logp[slot] = logps[i]
 
 
-@njit(cache=True)
+@cached_njit
 def _next_token(ids, logp, ctx_key, ctx_tok, ctx_logp, seq, n_seq, order):
     """RecyclingTables.next_token of seq[:n_seq]."""
     slots = len(ctx_key)
@@ -228,7 +229,7 @@ def _next_token(ids, logp, ctx_key, ctx_tok, ctx_logp, seq, n_seq, order):
     return np.int64(ids[last, 0]), np.float64(logp[last, 0])
 
 
-@njit(cache=True)
+@cached_njit
 def _walk_chains(ids, logp, ctx_key, ctx_tok, ctx_logp, order, tails, tail_lens,
                  lengths, min_confidence, out_tok, out_conf, out_len):
     seq = np.empty(tails.shape[1] + out_tok.shape[1], np.int64)
