@@ -57,13 +57,13 @@ class Observation:
 
 
 class DraftLengthController:
-    """Keep every draft; the bookkeeping every policy shares.
+    """The contract, and the bookkeeping every policy shares.
 
     ``decide`` returns per request (batch order) how many drafts to keep,
     0 <= keep[i] <= min(len(drafts.tokens[i]), max_draft).
     """
 
-    name = "fixed"
+    name = "base"
     OPTIONS: tuple = ()
     # Set by the proposer: whether it may skip whole steps (PluginProposer.CAN_REST).
     can_rest = False
@@ -131,6 +131,7 @@ class DraftLengthController:
 
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
               observation: Observation, bound: np.ndarray) -> np.ndarray:
+        """The policy's kept lengths (``bound``: rows max_length gave 0)."""
         return lengths
 
     def free(self, req_id: str) -> None:
@@ -154,7 +155,10 @@ class DraftLengthController:
         }
 
 
-FixedController = DraftLengthController
+class FixedController(DraftLengthController):
+    """Keep every draft."""
+
+    name = "fixed"
 
 
 class EstimatingController(DraftLengthController):

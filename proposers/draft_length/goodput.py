@@ -146,7 +146,7 @@ class GoodputController(EstimatingController):
         if ctx.last_gap_seconds is not None:   # reported, not modelled
             gap = engine_gap(ctx)
             self.gap_s = gap if self.gap_s is None else 0.95 * self.gap_s + 0.05 * gap
-        cold = self.sizes.touch(tokens) if tokens else False
+        new_shape = self.sizes.touch(tokens) if tokens else False
         # Steps that ran prompt tokens are not the kind this rule decides on
         # (and their many tokens would pull the line).
         if ctx.last_step_seconds is not None and ctx.requests and tokens <= decode:
@@ -154,11 +154,11 @@ class GoodputController(EstimatingController):
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
             verifies = any(r.num_draft > 0 for r in ctx.requests)
             self.cost.observe(float(tokens), float(len(ctx.requests)), float(seconds),
-                              verifies, cold)
+                              verifies, new_shape)
 
     def _explore_cap(self, batch: int) -> int | None:
         """Decided before drafting, so ``max_length`` sees it: while the cost
-        model is cold, or its slope too uncertain, some steps keep a random
+        model is not warm yet, or its slope too uncertain, some steps keep a random
         number of drafts; where every step verifies, one now and then keeps
         none, so the verify-step cost does not hide in the intercept."""
         if not self.cost.warm:

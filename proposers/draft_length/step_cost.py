@@ -25,7 +25,7 @@ class StepCostModel:
     """Engine step time as a linear function, fitted online.
 
         t(step) ~= a + b * tokens (+ c * batch)
-                   (+ verify_step_s * verifies) (+ new_shape_s * cold),
+                   (+ verify_step_s * verifies) (+ new_shape_s * new_shape),
                    all coefficients >= 0
 
     Two step-level terms (docs/draft_length.md):
@@ -34,7 +34,7 @@ class StepCostModel:
       speculative path costs a fixed extra beyond the line through steps
       with drafts (``stats()["cost_model"]["verify_step_s"]`` reports the
       fit; docs/draft_length.md).
-    - ``cold`` is 1 for a step whose token count was not among the last
+    - ``new_shape`` is 1 for a step whose token count was not among the last
       ``shape_cache`` distinct counts. vLLM's CPU linear layers build a
       oneDNN kernel per token count and keep 32 per layer
       (``python -m vllm_plugins.bench.kernel_sizes`` measures a first call
@@ -43,11 +43,11 @@ class StepCostModel:
       graphs has the same kind of cost for sizes off its captured set).
 
     Fitted by least squares over the last ``window`` (tokens, batch,
-    verifies, cold, seconds) observations (a ring buffer), with one round of
+    verifies, new_shape, seconds) observations (a ring buffer), with one round of
     outlier rejection (|residual| > 5 robust sigmas) and a non-negativity
     constraint (the best non-negative subset fit). ``batch`` is dropped when
     it does not vary independently of ``tokens`` in the window; ``verifies``
-    and ``cold`` while fewer than ``_MIN_MODE_STEPS`` steps of either kind
+    and ``new_shape`` while fewer than ``_MIN_MODE_STEPS`` steps of either kind
     are in it (each then keeps its last estimate: it is a property of the
     runtime, and once the rule avoids such steps they become rare).
     Before ``warmup`` observations with at least two distinct token counts,
@@ -71,7 +71,7 @@ class StepCostModel:
         self.window = cost_window
         self.warmup = warmup
         self.prior_token_cost = prior_token_cost
-        self._x = np.zeros((cost_window, 4))   # tokens, batch, verifies, cold
+        self._x = np.zeros((cost_window, 4))   # tokens, batch, verifies, new_shape
         self._y = np.zeros(cost_window)
         self._len = 0
         self._pos = 0
@@ -87,10 +87,10 @@ class StepCostModel:
         self.slope_se = float("inf")   # standard error of b (s/token)
 
     def observe(self, tokens: float, batch: float, seconds: float,
-                verifies: bool = True, cold: bool = False) -> None:
+                verifies: bool = True, new_shape: bool = False) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
-        self._x[self._pos] = (tokens, batch, float(verifies), float(cold))
+        self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape))
         self._y[self._pos] = seconds
         self._pos = (self._pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
