@@ -37,6 +37,13 @@ class PluginProposer:
     # costs, nearly (no top-k extraction, no learning, no drafting).
     CAN_REST = False
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # A method registered from another package may declare its options
+        # without the draft-length ones every method takes: they come first.
+        if not any(o.name == "draft_length" for o in cls.OPTIONS):
+            cls.OPTIONS = (*draft_length_options(), *cls.OPTIONS)
+
     def __init__(self, vllm_config: Any = None, options: dict | None = None,
                  vocab_size: int | None = None):
         from vllm_plugins.options import resolve

@@ -130,3 +130,17 @@ def test_policy_options_errors_name_the_option_and_the_policy():
         translate({"method": "token_recycling", "draft_length_options": {"half_life": -1}})
     with pytest.raises(ValueError, match="'draft_length' of method 'stand'"):
         translate({"method": "stand", "draft_length": "always"})
+
+
+def test_a_method_declaring_its_own_options_still_takes_the_draft_length_ones():
+    from vllm_plugins.options import positive_int
+    from vllm_plugins.proposers.base import PluginProposer
+
+    class Outside(PluginProposer):
+        OPTIONS = (positive_int("depth", 2, 8),)
+
+    p = Outside(None, {"depth": 3, "draft_length": "acceptance"}, vocab_size=8)
+    assert p.options["depth"] == 3 and p.controller.name == "acceptance"
+    assert Outside(None, {}, vocab_size=8).controller is None    # "fixed"
+    with pytest.raises(ValueError, match="'depth' of method 'Outside'"):
+        Outside(None, {"depth": 9}, vocab_size=8)
