@@ -15,7 +15,8 @@ def test_table_and_plot(tmp_path):
     assert by[("overall", "tr")]["mismatches"] == 1
     assert by[("overall", "tr")]["acceptance"] == 0.5
     md = markdown(rows)
-    assert "| overall | tr | 2.50 | 0.50 |" in md
+    assert "| overall | tr | 2.50 | 83.3 | 1.67x | 1/2 |" in md
+    assert md.splitlines()[-1] == "| tr | 0.50 |"
     plot(rows, str(tmp_path / "p.png"), "t")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -202,12 +203,13 @@ def test_wide_markdown_one_line_per_category():
     assert md[2] == "| qa | 10.0 | 2.00 / 1.50x |" and md[3] == "| rag |  | 3.00 / - |"
 
 
-def test_markdown_says_when_nothing_was_compared():
+def test_markdown_leaves_out_columns_without_values():
     from vllm_plugins.bench.report import markdown
 
     row = {"category": "qa", "method": "tr", "MAT": 2.0, "acceptance": None,
            "tok/s": 5.0, "speedup": None, "mismatches": None, "requests": 3}
-    assert markdown([row]).splitlines()[-1] == "| qa | tr | 2.00 |  | 5.0 |  | - |"
+    assert markdown([row]).splitlines() == [
+        "| category | method | MAT | tok/s |", "|---|---|---:|---:|", "| qa | tr | 2.00 | 5.0 |"]
 
 
 def test_queue_units_are_even_and_static_batches_unchanged():

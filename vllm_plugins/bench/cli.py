@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="2 prompts per category, 128 tokens: a short demo")
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--verbose", action="store_true",
+                   help="keep vLLM's INFO logging (default: warnings and errors)")
     args = p.parse_args(argv)
     if args.batch_sizes and args.batch_size:
         p.error("give --batch-size or --batch-sizes, not both")
@@ -151,12 +153,15 @@ def main(argv=None) -> int:
     if args.quick:
         args.per_category = args.per_category or [2]
         args.max_tokens = min(args.max_tokens, 128)
+    from vllm_plugins.bench.engines import quiet_vllm
+    if not args.verbose:
+        quiet_vllm()
     from tqdm import tqdm
     from vllm import SamplingParams
 
     from vllm_plugins.bench.data import disjoint_sets, render
-    from vllm_plugins.bench.engines import (build_engine, engine_stats,
-                                           resolve_model, run_batch)
+    from vllm_plugins.bench.engines import (acceptance_between, build_engine,
+                                           engine_stats, resolve_model, run_batch)
     from vllm_plugins.bench.report import (Tally, controller_delta,
                                            controller_markdown, markdown, ratio_ci,
                                            speedup_plot, title, write)
@@ -182,8 +187,8 @@ def main(argv=None) -> int:
     for q in spare[:args.warmup]:
         for m in methods:
             run_batch(engines[m], [render(tok, q)] * max(sizes), params)
-    before = {m: (engine_stats(engines[m]).get("proposer") or {}).get("draft_length")
-              for m in methods}
+    counts = {m: engine_stats(engines[m]) for m in methods}
+    before = {m: (counts[m].get("proposer") or {}).get("draft_length") for m in methods}
     all_rows, summary, controllers, loads = [], [], [], {}
     for size, questions in zip(sizes, sets):
         tally, times = Tally(), {}
@@ -201,7 +206,8 @@ def main(argv=None) -> int:
         loads[size].append(_host_load())
         stats = {m: engine_stats(engines[m]) for m in methods}
         categories = list(dict.fromkeys(q["category"] for q in questions))
-        rows = tally.table(runs, categories)
+        rows = tally.table(runs, categories, acceptance_between(counts, stats))
+        counts = stats
         for r in rows:
             r["batch"] = size
             if args.mat_only:

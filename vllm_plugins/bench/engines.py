@@ -38,6 +38,32 @@ def suffix_available() -> bool:
     return True
 
 
+# What a benchmark's output stays readable with: vLLM's warnings and errors,
+# not its INFO lines (a few hundred per engine start); no C++ warnings from
+# torch; no deprecation notices from libraries.
+QUIET_ENVIRONMENT = {
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TORCH_CPP_LOG_LEVEL": "ERROR",
+    "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
+}
+
+
+def quiet_vllm() -> None:
+    """Keeps a benchmark's output to its progress bar and tables.
+
+    Call before vLLM is imported: vLLM reads its logging level once, at
+    import, and engine processes inherit the environment. A variable the
+    caller already set is left as it is.
+    """
+    import warnings
+
+    for name, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    if os.environ["PYTHONWARNINGS"] == QUIET_ENVIRONMENT["PYTHONWARNINGS"]:
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
 def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
                  max_model_len: int = 2048, enforce_eager: bool = True,
                  seed: int = 0, kv_cache_mib: int = 512):
@@ -48,7 +74,7 @@ def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
               max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
               speculative_config=dict(spec) if spec else None, seed=seed,
               kv_cache_memory_bytes=kv_cache_mib * 2**20,
-              disable_log_stats=False)
+              disable_log_stats=False, use_tqdm_on_load=False)
     if spec:
         # Drafted / accepted counts for vLLM's own drafters too (ours always
         # count); an engine that is not asked keeps nothing of ours.

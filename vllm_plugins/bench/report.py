@@ -43,16 +43,39 @@ class Tally:
         return out
 
 
+# The per-category table's columns: header, and the cell (None: no value).
+COLUMNS = (
+    ("category", lambda r: r["category"]),
+    ("method", lambda r: r["method"]),
+    ("MAT", lambda r: f"{r['MAT']:.2f}"),
+    ("tok/s", lambda r: f"{r['tok/s']:.1f}"),
+    ("speedup", lambda r: None if r.get("speedup") is None else f"{r['speedup']:.2f}x"),
+    ("mismatches", lambda r: None if r.get("mismatches") is None
+     else f"{r['mismatches']}/{r['requests']}"),
+)
+
+
 def markdown(rows: list[dict]) -> str:
-    head = "| category | method | MAT | accept | tok/s | speedup | mismatches |"
-    lines = [head, "|---|---|---:|---:|---:|---:|---:|"]
+    """The per-category table, then each method's acceptance over the run.
+
+    A column that no row has a value for is left out: speedups and mismatch
+    counts need the no-speculation engine, which ``--mat-only`` skips.
+    Acceptance (accepted / drafted tokens) comes from an engine's counters,
+    which a batch shares among its requests' categories, so it is given per
+    method, not per category.
+    """
+    cols = [(h, cell) for h, cell in COLUMNS if any(cell(r) is not None for r in rows)]
+    lines = ["| " + " | ".join(h for h, _ in cols) + " |",
+             "|" + "|".join("---" if h in ("category", "method") else "---:"
+                            for h, _ in cols) + "|"]
     for r in rows:
-        acc = "" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        sp = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        mm = ("-" if r["mismatches"] is None    # no baseline ran (--mat-only)
-              else f"{r['mismatches']}/{r['requests']}")
-        lines.append(f"| {r['category']} | {r['method']} | {r['MAT']:.2f} | {acc} | "
-                     f"{r['tok/s']:.1f} | {sp} | {mm} |")
+        cells = (cell(r) for _, cell in cols)
+        lines.append("| " + " | ".join("" if c is None else c for c in cells) + " |")
+    accepted = [(r["method"], r["acceptance"]) for r in rows
+                if r["category"] == "overall" and r.get("acceptance") is not None]
+    if accepted:
+        lines += ["", "| method | acceptance (accepted / drafted) |", "|---|---:|"]
+        lines += [f"| {m} | {a:.2f} |" for m, a in accepted]
     return "\n".join(lines)
 
 
