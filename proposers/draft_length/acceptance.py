@@ -61,9 +61,9 @@ class AcceptanceEstimator:
 
     where ``g`` is a slow, global pooled acceptance rate (starts at
     ``prior_acceptance``) and GS_j, GN_j global decayed counts per position.
-    Conditional acceptance rises with depth (measured with Token Recycling on
-    Spec-Bench: 0.35, 0.52, 0.69, 0.67, 0.75, 0.79 for positions 1..6): a
-    draft that survived j tokens is usually a copy. A pooled per-request prior
+    Conditional acceptance rises with depth: a draft that survived j tokens
+    is usually a copy (``test_deep_positions_learn_their_own_higher_rate``
+    in tests/test_draft_length_policies.py). A pooled per-request prior
     would pull deep positions down to position 1's rate and cut drafts that
     pay; here an unexplored position falls back to the request's pooled rate
     moved by the global depth profile (in odds; a flat profile gives the

@@ -34,9 +34,9 @@ class ConfidenceCalibrator:
     S_r, E_r: the request's accepted drafts and the sum of g_jb over the same
     drafts when they were decided (decayed, ``calib_half_life``). Outcomes are
     conditional on the drafts before them being accepted, and that makes a
-    deep draft with a given confidence more likely right than a first one
-    (measured with Token Recycling on Spec-Bench dev): a position-agnostic
-    table under-rates deep drafts and cuts chains that pay.
+    deep draft with a given confidence more likely right than a first one:
+    a position-agnostic table under-rates deep drafts and cuts chains that
+    pay.
 
     Outcomes are matched to the confidences of the drafts the controller kept
     last step (stored at ``decide``).
