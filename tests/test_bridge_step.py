@@ -199,3 +199,31 @@ def test_self_drafting_refuses_targets_with_several_attention_kinds():
     runner.get_kv_cache_spec = lambda: {"l0": full, "l1": window}
     with pytest.raises(ValueError, match="'swift'.*2 kinds.*SlidingWindowSpec"):
         check_target(runner, "swift")
+
+
+def test_draft_probabilities_reach_vllm_as_the_dense_rows_it_verifies():
+    """vLLM's own _get_spec_decode_draft_probs, run over our lazy rows, gives
+    exactly the dense rows: the proposer's for stochastic drafts, one-hot for
+    deterministic ones, cut where the scheduler cut a draft."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vocab = 7
+    rng = np.random.default_rng(0)
+    p_b = rng.dirichlet(np.ones(vocab), size=3).astype(np.float32)
+    runner = SimpleNamespace(device="cpu", input_batch=SimpleNamespace(
+        req_ids=["a", "b", "c"], vocab_size=vocab))
+    drafts = step.Drafts(tokens=[[1, 2], [3, 4, 5], []], probs=[None, p_b, None])
+    step.set_draft_probs(runner, drafts, drafts.tokens)
+    # Next step: 'c' left, 'b' comes first and its draft was cut to 2 tokens.
+    runner.input_batch = SimpleNamespace(req_ids=["b", "a"], vocab_size=vocab)
+    metadata = SpecDecodeMetadata.make_dummy([[3, 4], [1, 2]], torch.device("cpu"))
+    got = GPUModelRunner._get_spec_decode_draft_probs(runner, metadata)
+    want = torch.zeros(4, vocab)
+    want[:2] = torch.from_numpy(p_b[:2])
+    want[2, 1] = want[3, 2] = 1.0
+    assert torch.equal(got, want)
+    # Nothing stochastic drafted: vLLM keeps its deterministic path.
+    fresh = SimpleNamespace(device="cpu", input_batch=runner.input_batch)
+    step.set_draft_probs(fresh, step.Drafts([[1], [2]], [None, None]), [[1], [2]])
+    assert not hasattr(fresh, "_draft_probs")

@@ -151,22 +151,47 @@ def add_self_draft(runner, proposer, ctx: StepContext, common_attn_metadata,
         ctx.aux_streams = dict(zip(layers, aux_hidden_states))
 
 
-def set_draft_probs(runner, drafts: Drafts, ctx: StepContext) -> None:
-    # GPUModelRunner._draft_probs [num_reqs, max_draft, vocab] and
-    # _draft_prob_req_ids: read by _get_spec_decode_draft_probs() next step and
-    # handed to the rejection sampler. Only used when some request has probs.
+class DraftProbRows:
+    """The step's draft probabilities, made dense only where vLLM reads them.
+
+    GPUModelRunner._get_spec_decode_draft_probs() reads
+    ``self._draft_probs[row_idx, :num_draft]`` for each request it verifies
+    next step and concatenates those rows for the rejection sampler. Holding
+    the proposer's per-request arrays here, instead of a
+    [requests, max_draft, vocab] tensor, keeps memory to the drafted rows
+    that are actually verified: a request whose draft is deterministic gets
+    its one-hot rows built then, and one without drafts costs nothing.
+    """
+
+    def __init__(self, tokens: list[list[int]], probs: list, vocab: int, device):
+        self.tokens = tokens
+        self.probs = probs
+        self.vocab = vocab
+        self.device = device
+
+    def __getitem__(self, key) -> torch.Tensor:
+        row, cols = key
+        tokens = self.tokens[row][cols]
+        p = self.probs[row]
+        if p is None:  # a deterministic draft: all mass on the drafted token
+            out = torch.zeros(len(tokens), self.vocab, dtype=torch.float32)
+            out[torch.arange(len(tokens)), torch.as_tensor(tokens, dtype=torch.int64)] = 1.0
+        else:
+            out = torch.from_numpy(np.ascontiguousarray(
+                np.asarray(p, dtype=np.float32)[cols]))
+        return out.to(self.device)
+
+
+def set_draft_probs(runner, drafts: Drafts, tokens: list[list[int]]) -> None:
+    # GPUModelRunner._draft_probs and _draft_prob_req_ids: read by
+    # _get_spec_decode_draft_probs() next step and handed to the rejection
+    # sampler. Only set when some request has probabilities; otherwise vLLM
+    # treats every draft as deterministic, with no probability rows at all.
     if drafts.probs is None or not any(p is not None and len(p) for p in drafts.probs):
         return
-    vocab = runner.input_batch.vocab_size
-    out = torch.zeros(len(ctx.requests), ctx.max_draft, vocab, dtype=torch.float32)
-    for i, (p, t) in enumerate(zip(drafts.probs, drafts.tokens)):
-        if p is None:
-            # A deterministic draft: all mass on the drafted token.
-            for j, tok in enumerate(t):
-                out[i, j, int(tok)] = 1.0
-        else:
-            out[i, :len(p)] = torch.from_numpy(np.asarray(p, dtype=np.float32))
-    runner._draft_probs = out.to(runner.device)
+    runner._draft_probs = DraftProbRows(tokens, list(drafts.probs),
+                                        int(runner.input_batch.vocab_size),
+                                        runner.device)
     runner._draft_prob_req_ids = list(runner.input_batch.req_ids)
 
 
@@ -179,5 +204,5 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
         add_self_draft(runner, proposer, ctx, common_attn_metadata, aux_hidden_states)
     drafts: Drafts = proposer.step(ctx)
     tokens = [list(map(int, t)) for t in drafts.tokens]
-    set_draft_probs(runner, drafts, ctx)
+    set_draft_probs(runner, drafts, tokens)
     return tokens
