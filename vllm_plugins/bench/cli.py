@@ -66,7 +66,7 @@ def parse_args(argv=None):
                    help="2 prompts per category, 128 tokens: a short demo")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--verbose", action="store_true",
-                   help="keep vLLM's INFO logging (default: warnings and errors)")
+                   help="keep vLLM's logging (default: errors only)")
     args = p.parse_args(argv)
     if args.batch_sizes and args.batch_size:
         p.error("give --batch-size or --batch-sizes, not both")

@@ -38,11 +38,11 @@ def suffix_available() -> bool:
     return True
 
 
-# What a benchmark's output stays readable with: vLLM's warnings and errors,
-# not its INFO lines (a few hundred per engine start); no C++ warnings from
-# torch; no deprecation notices from libraries.
+# What a benchmark's output stays readable with: vLLM's errors only (each
+# engine start logs pages of INFO lines and repeats the same warnings as the
+# engine before it); no C++ warnings from torch; no deprecation notices.
 QUIET_ENVIRONMENT = {
-    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_LEVEL": "ERROR",
     "TORCH_CPP_LOG_LEVEL": "ERROR",
     "PYTHONWARNINGS": "ignore::FutureWarning,ignore::DeprecationWarning",
 }
