@@ -10,11 +10,11 @@ draft, never the engine.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 import numpy as np
 
+from vllm_plugins import clock
 from vllm_plugins.options import Option
 from vllm_plugins.proposers.draft_length import draft_length_options, make_controller
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
@@ -92,17 +92,17 @@ class PluginProposer:
     # ------------------------------------------------------------ our route
     def step(self, ctx: StepContext) -> Drafts:
         """One engine step: learn, draft, trim. Never raises."""
-        start = time.perf_counter()
+        start = clock.now()  # controllers decide from it: rank-identical
         if ctx.last_propose_seconds is None:
             ctx.last_propose_seconds = self._last_propose_seconds
         try:
             return self._step(ctx)
         finally:
-            self._last_propose_seconds = time.perf_counter() - start
+            self._last_propose_seconds = clock.now() - start
 
     def _step(self, ctx: StepContext) -> Drafts:
         try:
-            for req_id in ctx.finished:
+            for req_id in sorted(ctx.finished):  # one order on every rank
                 self.free(req_id)
             if self.controller is None:
                 return self.draft(ctx)

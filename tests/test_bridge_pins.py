@@ -329,3 +329,40 @@ def test_runner_groups_attention_layers_by_kv_cache_spec():
     assert "get_layers_from_vllm_config" in inspect.getsource(
         GPUModelRunner.get_kv_cache_spec)
     assert hasattr(kv_cache_utils, "get_kv_cache_groups")
+
+
+def test_tensor_parallel_group_fields():
+    # bridge/ranks.py: get_tp_group() -> GroupCoordinator whose world_size,
+    # ranks (first = output rank) and gloo cpu_group the first-rank clock uses.
+    from vllm.distributed import parallel_state
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    src = inspect.getsource(GroupCoordinator.__init__)
+    for field in ("self.ranks = ranks", "self.world_size = len(ranks)",
+                  "self.cpu_group = ", 'backend="gloo"'):
+        assert field in src, field
+    assert GroupCoordinator.first_rank.fget.__doc__
+    assert "_TP" in inspect.getsource(parallel_state.get_tp_group)
+    from vllm_plugins.bridge.ranks import tensor_parallel_group
+
+    assert tensor_parallel_group() is None  # no distributed group in this process
+
+
+def test_lm_head_shards_by_tp_size():
+    # proposers/layer_skip/base.py:_head_weight: a ParallelLMHead with
+    # tp_size > 1 holds one vocabulary shard, so the full head drafts.
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead, VocabParallelEmbedding)
+
+    src = inspect.getsource(VocabParallelEmbedding.__init__)
+    assert "self.tp_size = " in src and "num_embeddings_per_partition" in src
+    assert issubclass(ParallelLMHead, VocabParallelEmbedding)
+
+
+def test_rank_digest_rpc_is_added():
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    import vllm_plugins
+
+    vllm_plugins.register()
+    assert callable(WorkerBase.vllm_plugins_rank_digest)

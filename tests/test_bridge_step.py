@@ -169,8 +169,10 @@ def test_unsafe_combinations_are_refused_at_start_up(monkeypatch):
     one = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
                           data_parallel_size=1)
     refuse_unsafe("token_recycling", spec_config("token_recycling"), one)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size",
-                 "data_parallel_size"):
+    for method in ("token_recycling", "stand", "swift", "del"):
+        refuse_unsafe(method, spec_config(method),
+                      SimpleNamespace(**{**vars(one), "tensor_parallel_size": 2}))
+    for name in ("pipeline_parallel_size", "data_parallel_size"):
         with pytest.raises(ValueError, match=f"{name}=2"):
             refuse_unsafe("stand", spec_config("stand"),
                           SimpleNamespace(**{**vars(one), name: 2}))

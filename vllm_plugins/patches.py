@@ -66,6 +66,12 @@ PATCHES: tuple[Patch, ...] = (
           "collective_rpc target: a benchmark counts vLLM's own drafters too",
           _PINS + "test_custom_class_route_and_worker_rpc",
           runner.add_count_steps, adds=True),
+    Patch("worker.rank_digest",
+          "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_rank_digest",
+          "collective_rpc target: per-step digests of each rank's drafts, "
+          "draft probabilities and token history, to check ranks agree",
+          _PINS + "test_custom_class_route_and_worker_rpc",
+          runner.add_rank_digest, adds=True),
     Patch("cpu.expand_batch_to_tokens",
           "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
           "vLLM's CPU build without Triton leaves per-request sampling "
@@ -96,6 +102,9 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.model_executor.layers.attention.attention:unified_kv_cache_update",
     "vllm.model_executor.models.llama:LlamaDecoderLayer.__init__",
     "vllm.model_executor.models.llama:LlamaModel.embed_input_ids",
+    "vllm.distributed.parallel_state:get_tp_group",
+    "vllm.distributed.parallel_state:GroupCoordinator.first_rank",
+    "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
 )
 
 

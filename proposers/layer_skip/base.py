@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from vllm_plugins import clock
 from vllm_plugins.options import integer, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.self_draft import DraftRows, LayerPlan
@@ -64,6 +65,11 @@ def _head_weight(target) -> torch.Tensor | None:
     if lp is None or head is None or getattr(lp, "soft_cap", None):
         return None
     if getattr(lp, "scale", 1.0) != 1.0 or not hasattr(head, "weight"):
+        return None
+    # Under tensor parallel the weight is this rank's vocabulary shard
+    # (ParallelLMHead.tp_size ranks hold one each): the shortlist indexes the
+    # full vocabulary, so the full head (compute_logits, all-gathered) drafts.
+    if int(getattr(head, "tp_size", 1) or 1) > 1:
         return None
     return head.weight
 
@@ -124,7 +130,7 @@ class SelfDraftProposer(PluginProposer):
         self.steps += 1
         if ctx.last_step_seconds:
             self.step_seconds = _ema(self.step_seconds, ctx.last_step_seconds)
-        start = time.perf_counter()
+        start = time.perf_counter()  # learn / draft seconds: metrics only
         self._observe_vocab(ctx)
         self.learn(ctx)
         mid = time.perf_counter()
@@ -161,7 +167,7 @@ class SelfDraftProposer(PluginProposer):
                 rows=idx,
                 last_tokens=np.array([ctx.requests[i].context[-1] for i in idx]),
                 positions=np.array([len(ctx.requests[i].context) - 1 for i in idx]))
-            began = time.perf_counter()
+            began = clock.now()  # forward_seconds choose plans: rank-identical
             out = target.draft(rows, int(lengths.max()), plan,
                                stop_below=self.options["stop_below"],
                                head=self._head(target), max_lengths=lengths)
@@ -177,7 +183,7 @@ class SelfDraftProposer(PluginProposer):
             if forwards:
                 self.forward_seconds[plan] = _ema(
                     self.forward_seconds.get(plan),
-                    (time.perf_counter() - began) / forwards)
+                    (clock.now() - began) / forwards)
         return Drafts(tokens, confidence=conf)
 
     def _head(self, target):

@@ -51,13 +51,26 @@ def refuse_unsafe(method: str, speculative_config, parallel_config) -> None:
             "keeps the output exact; rejection_sample_method "
             f"'{sample_method}' is not supported with it")
     if parallel_config is not None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size",
-                     "data_parallel_size"):
+        # Tensor parallel is served: ranks draft alike (bridge/ranks.py).
+        for name, why in _UNSAFE_PARALLEL.items():
             size = int(getattr(parallel_config, name, 1) or 1)
             if size > 1:
-                raise ValueError(
-                    f"{where} does not yet keep ranks identical: {name}={size} "
-                    "would let ranks draft differently; use 1")
+                raise ValueError(f"{where} cannot serve {name}={size}: {why}; "
+                                 f"use {name}=1 (tensor parallel is supported)")
+
+
+# Parallel layouts our methods refuse, and why (docs/architecture.md, "Ranks").
+_UNSAFE_PARALLEL = {
+    "pipeline_parallel_size":
+        "the proposer runs on every stage but only the last stage has the "
+        "target's logits (no top-k to learn from, no verified rows for "
+        "self-drafting), and self-drafting would run layers other stages hold",
+    "data_parallel_size":
+        "data-parallel engines step in lockstep only for MoE models, where a "
+        "self-drafting forward would join vLLM's cross-rank batch "
+        "coordination on some ranks only; drafting across data-parallel "
+        "ranks is not verified here",
+}
 
 
 def wrap_params_validator(original):

@@ -15,9 +15,9 @@ with one of our proposers:
 from __future__ import annotations
 
 import functools
-import time
 
-from vllm_plugins.bridge import step
+from vllm_plugins import clock
+from vllm_plugins.bridge import ranks, step
 from vllm_plugins.bridge.state import attach, state_of
 
 
@@ -41,6 +41,7 @@ def wrap_after_load(original):
         if not is_ours(drafter):
             return original(self)
         attach(self, drafter)
+        ranks.share_first_rank_clock()
         if getattr(drafter, "SELF_DRAFT", False):
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
             from vllm_plugins.self_draft import check_target
@@ -72,7 +73,7 @@ def wrap_execute_model(original):
         state = state_of(self)
         if state is None or state.proposer is None:
             return original(self, *args, **kwargs)
-        state.step_start = now = time.perf_counter()
+        state.step_start = now = clock.now()
         if state.propose_end is not None:
             state.gap_seconds = now - state.propose_end
             state.propose_end = None
@@ -134,7 +135,7 @@ def wrap_propose(original):
             return step.propose(self, state, scheduler_output, sampled_token_ids,
                                 common_attn_metadata, aux_hidden_states)
         finally:
-            state.propose_end = time.perf_counter()
+            state.propose_end = clock.now()
 
     return propose_draft_token_ids
 
@@ -164,3 +165,18 @@ def add_count_steps(_missing):
         attach(worker.model_runner)
 
     return vllm_plugins_count_steps
+
+
+def add_rank_digest(_missing):
+    def vllm_plugins_rank_digest(worker) -> list[str]:
+        """Per-step digests of this rank's drafts, draft probabilities and
+        token history (ranks.RankDigest). The first call turns digests on
+        and returns []; later calls return every step's since then."""
+        state = state_of(worker.model_runner)
+        if state is None or state.proposer is None:
+            return []
+        if state.digest is None:
+            state.digest = ranks.RankDigest()
+        return list(state.digest.steps)
+
+    return vllm_plugins_rank_digest

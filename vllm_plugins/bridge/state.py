@@ -67,6 +67,8 @@ class RunnerState:
     # schedules no tokens returns before drafting.
     finished: set[str] = field(default_factory=set)
     topk: TopkStash | None = None
+    # ranks.RankDigest once a test asks for per-step digests (opt-in).
+    digest: object = None
 
 
 def state_of(runner) -> RunnerState | None:

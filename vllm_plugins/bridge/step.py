@@ -8,11 +8,10 @@ runners without an engine.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 
+from vllm_plugins import clock
 from vllm_plugins.bridge.state import RunnerState, TopkStash
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
@@ -35,13 +34,13 @@ def stash_topk(state: RunnerState, logits: torch.Tensor, spec_decode_metadata) -
     else:
         num_draft = [0] * logits.shape[0]
     ids = lps = None
-    start = time.perf_counter()
+    start = clock.now() if k > 0 else 0.0
     if k > 0:
         with torch.no_grad():
             lps, idx = topk_logprobs(logits, k)
         ids = idx.cpu().numpy().astype(np.int64)
         lps = lps.cpu().numpy()
-    seconds = time.perf_counter() - start if k > 0 else 0.0
+    seconds = clock.now() - start if k > 0 else 0.0
     state.topk = TopkStash(num_draft, draft_ids, ids, lps, seconds)
 
 
@@ -119,7 +118,7 @@ def build_context(runner, state: RunnerState, scheduler_output,
         requests=requests,
         finished=take_finished(state, scheduler_output),
         max_draft=state.proposer.max_draft,
-        last_step_seconds=(time.perf_counter() - state.step_start
+        last_step_seconds=(clock.now() - state.step_start
                            if state.step_start else None),
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
         last_topk_seconds=topk.seconds if topk is not None else None,
@@ -205,4 +204,6 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     drafts: Drafts = proposer.step(ctx)
     tokens = [list(map(int, t)) for t in drafts.tokens]
     set_draft_probs(runner, drafts, tokens)
+    if state.digest is not None:
+        state.digest.add(ctx, tokens, drafts.probs)
     return tokens
