@@ -90,3 +90,22 @@ def test_digest_tells_drafts_probabilities_history_and_seconds_apart():
                     digest(_ctx([5, 6, 7]), p=other_p), digest(_ctx([5, 6, 7]), p=None),
                     digest(_ctx([5, 6, 7], seconds=0.02))):
         assert changed != same
+
+
+def test_self_drafting_uses_the_full_head_when_the_head_is_a_vocabulary_shard():
+    from vllm_plugins.proposers.layer_skip.base import DraftVocab
+
+    torch.manual_seed(0)
+    full_head = torch.nn.Linear(8, 32, bias=False)
+    shard = torch.nn.Linear(8, 16, bias=False)  # this rank's half of the vocabulary
+    shard.tp_size = 2
+    target = SimpleNamespace(
+        model=SimpleNamespace(logits_processor=SimpleNamespace(scale=1.0, soft_cap=None),
+                              lm_head=shard),
+        logits=lambda h: h @ full_head.weight.T)  # compute_logits: all-gathered
+    vocab = DraftVocab(32, 5)
+    vocab.observe(np.array([3, 20, 20, 31, 31, 31]))  # ids past the shard
+    hidden = torch.randn(2, 8)
+    with torch.no_grad():
+        out, ids = vocab.logits(target, hidden)
+    assert ids is None and torch.equal(out, target.logits(hidden))

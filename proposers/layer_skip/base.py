@@ -66,12 +66,17 @@ def _head_weight(target) -> torch.Tensor | None:
         return None
     if getattr(lp, "scale", 1.0) != 1.0 or not hasattr(head, "weight"):
         return None
-    # Under tensor parallel the weight is this rank's vocabulary shard
-    # (ParallelLMHead.tp_size ranks hold one each): the shortlist indexes the
-    # full vocabulary, so the full head (compute_logits, all-gathered) drafts.
-    if int(getattr(head, "tp_size", 1) or 1) > 1:
+    if _vocab_shard(head):
         return None
     return head.weight
+
+
+def _vocab_shard(head) -> bool:
+    """Under tensor parallel the LM head's weight is this rank's vocabulary
+    shard (ParallelLMHead.tp_size ranks hold one each): a shortlist indexes
+    the full vocabulary, so the full head (compute_logits, all-gathered)
+    drafts instead."""
+    return int(getattr(head, "tp_size", 1) or 1) > 1
 
 
 class SelfDraftProposer(PluginProposer):
@@ -116,6 +121,9 @@ class SelfDraftProposer(PluginProposer):
                 f"layers and needs a Llama-style model (model.layers[i]."
                 f"{{{', '.join(parts)}}}, model.norm); "
                 f"{type(target_model).__name__} is not one")
+        if self.draft_vocab is not None and _vocab_shard(
+                getattr(target_model, "lm_head", None)):
+            self.draft_vocab = None  # the full head drafts (see _head_weight)
 
     # ------------------------------------------------------ subclass hooks
     def learn(self, ctx: StepContext) -> None:
