@@ -39,6 +39,7 @@ import numpy as np
 from vllm_plugins.options import Option
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.grammar_drafts import RequestGrammar
+from vllm_plugins.proposers.stand import verification_depends_on_token
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")
@@ -193,6 +194,11 @@ class GrammarProposer(PluginProposer):
         for i, r in enumerate(ctx.requests):
             if r.in_prefill:
                 continue
+            if probs is not None and verification_depends_on_token(r.sampling_params):
+                # vLLM cuts this draft at the first token its grammar rejects,
+                # so an inner row would not be exact, matcher or not (one-hot
+                # rows are: see proposers/stand.py, rule 3).
+                probs[i] = None
             timed = r.req_id in self._states  # a new request's compile is not a step cost
             start = time.perf_counter()
             state = self._state(r)
@@ -209,12 +215,6 @@ class GrammarProposer(PluginProposer):
             self.counts["inner_tokens"] += kept_inner
             if tokens[i] and not any(forced) and kept_inner < len(tokens[i]):
                 self.counts["inner_tokens_cut"] += len(tokens[i]) - kept_inner
-            if probs is not None:
-                # One-hot rows (the bridge writes them for None): exact for any
-                # draft chosen without looking at the target, which forced and
-                # grammar-cut drafts are; the inner rows would not be once the
-                # grammar has cut the draft by the drawn tokens' values.
-                probs[i] = None
             if conf is not None or self.controller is not None:
                 conf = conf if conf is not None else [None] * n
                 conf[i] = self._confidence(toks, forced, tokens[i], conf[i])

@@ -14,11 +14,13 @@ positions included), shared by all samples of that prompt, and drafts from it:
   from the stored distribution tempered by the request's T, and that exact
   distribution is handed to vLLM's rejection sampler as the draft's
   probability row, so sampled output keeps exactly the target's distribution.
+  Requests with structured outputs are the exception: their sampled drafts go
+  out without rows (rule 3).
 
 Exactness rules kept here (see docs/stand.md):
 
 1. The row handed over at a position is the distribution the token there was
-   drawn from (float32, sums to 1, q(drafted) > 0).
+   drawn from (float32, sums to 1, q(drafted) > 0), or none (rule 3).
 2. Whether position j is drafted at all may depend on the tokens drafted
    before j, never on the token drawn at j: the length rule and the
    confidences given to the draft-length controller are computed from the
@@ -26,6 +28,15 @@ Exactness rules kept here (see docs/stand.md):
    for position j can depend on later positions (``acceptance`` looks at the
    whole chain), sampled rows are shown to the controller padded to a length
    fixed before drafting, then cut to what was drafted.
+3. Where vLLM decides what to verify from the drafted tokens' values, no row
+   is handed over (vLLM then treats the draft as deterministic: one-hot).
+   vLLM's scheduler cuts a structured-output request's draft at the first
+   token its grammar rejects, so a position is verified only if the token
+   drawn there is allowed; an honest row then over-weights the allowed tokens
+   (p = (.5, .5, 0) with the third banned and q = (0, .5, .5) gives
+   P(second) = .75). Rejection sampling against a one-hot row yields exactly
+   the target's distribution whatever process chose the token
+   (``verification_depends_on_token``).
 
 Memory (stated, bounded): ``max_entries`` contexts in all stores together
 (default 2^18). A store's slot is ``topk`` (token int32, probability float32)
@@ -58,6 +69,15 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 # Controllers whose choice for position j depends only on positions <= j
 # (see the module docstring, rule 2).
 PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
+
+
+def verification_depends_on_token(sampling_params) -> bool:
+    """Whether vLLM verifies a draft of this request only up to the first
+    token its grammar rejects (SamplingParams.structured_outputs set: the
+    scheduler's ``update_draft_token_ids`` runs the structured-output
+    manager's ``validate_tokens``). Such drafts must go out without
+    probability rows (module docstring, rule 3)."""
+    return getattr(sampling_params, "structured_outputs", None) is not None
 
 
 def draft_distribution(probs: np.ndarray, temperature: float, top_k: int = 0,
@@ -171,11 +191,14 @@ class StandProposer(PluginProposer):
         # distribution's support instead of the distribution the token was
         # drawn from. That is dishonest and biases sampled output; it exists so
         # the exactness test can show it catches a biased proposer.
+        # "drawn" hands the distribution drawn from even where vLLM's
+        # verification depends on the drawn token (structured outputs, rule
+        # 3), which biases those requests.
         # "per_request": exact, except for requests whose
-        # SamplingParams.extra_args has {"stand_debug_probs": "uniform"}
-        # (one engine serves both sides of the test).
+        # SamplingParams.extra_args has {"stand_debug_probs": "uniform"} or
+        # "drawn" (one engine serves both sides of the test).
         Option("debug_probs", "exact", str,
-               choices=("exact", "uniform", "per_request")),
+               choices=("exact", "uniform", "drawn", "per_request")),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
 
@@ -206,7 +229,8 @@ class StandProposer(PluginProposer):
         self.swept_requests = 0
         self.evicted_stores = 0
         self.stores_created = 0
-        self.drafted = {"greedy": 0, "sampled": 0}
+        # "sampled_one_hot": sampled tokens handed over without rows (rule 3).
+        self.drafted = {"greedy": 0, "sampled": 0, "sampled_one_hot": 0}
         self.lookups = {"hit": 0, "miss": 0}
 
     def load_model(self, target_model: Any) -> None:
@@ -451,9 +475,13 @@ class StandProposer(PluginProposer):
                 seq.pop(0)
         self.drafted["sampled" if sampled else "greedy"] += len(out)
         dense = None
-        if sampled and out:
+        mode = self._debug_mode(params) if sampled else "exact"
+        if (sampled and out and mode not in ("uniform", "drawn")
+                and verification_depends_on_token(params)):
+            self.drafted["sampled_one_hot"] += len(out)  # rule 3: no rows
+        elif sampled and out:
             dense = np.zeros((len(out), self.vocab_size), dtype=np.float32)
-            dishonest = self._debug_mode(params) == "uniform"
+            dishonest = mode == "uniform"
             for j, (ids, q32) in enumerate(rows):
                 if dishonest:  # TEST ONLY: not the distribution sampled from
                     dense[j, ids] = np.float32(1.0 / len(ids))

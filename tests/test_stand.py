@@ -533,8 +533,9 @@ P1 = np.array([0.05, 0, 0, 0, 0.4, 0.05, 0.3, 0.2, 0, 0, 0, 0])     # after 3
 P2 = {t: np.roll(np.array([0.5, 0.2, 0.1, 0.1, 0.1] + [0] * 7), t) for t in range(V)}
 
 
-def _target(dist, temperature):
+def _target(dist, temperature, banned=()):
     w = dist ** (1.0 / temperature)
+    w[list(banned)] = 0.0  # the request's grammar masks the target's logits
     return w / w.sum()
 
 
@@ -542,7 +543,13 @@ def _sample(rng, dist):
     return int(rng.choice(len(dist), p=dist / dist.sum()))
 
 
-def _run_exactness(p, temperature, trials, seed=0, extra_args=None):
+def _run_exactness(p, temperature, trials, seed=0, extra_args=None, banned=()):
+    """vLLM's verification in plain numpy: rejection sampling of each drafted
+    token against the target (one-hot where the proposer gave no row), the
+    residual at the first rejection. ``banned``: the request has structured
+    outputs whose grammar rejects these tokens everywhere; the target is
+    masked and, as vLLM's scheduler does (update_draft_token_ids ->
+    validate_tokens), the draft is cut before the first banned token."""
     rng = np.random.default_rng(seed)
     counts = np.zeros((V, V))
     last = (0, 0)  # (drafts verified, accepted) of the previous trial
@@ -552,20 +559,25 @@ def _run_exactness(p, temperature, trials, seed=0, extra_args=None):
         # is all the calibration reads (no topk: the store stays fixed).
         r = req("a", [1, 2, 3], [3], verified=[2], num_prompt=2,
                 temperature=temperature, extra_args=extra_args)
+        if banned:
+            r.sampling_params.structured_outputs = SimpleNamespace(regex="...")
         r.accepted = np.full(m + 1, 3, dtype=np.int64)
         r.num_draft = n
         r.verified_tokens = np.full(n + 1, 2, dtype=np.int64)
         d = p.step(StepContext([r], max_draft=2))
         toks = d.tokens[0]
         rows = d.probs[0] if d.probs is not None else None
+        cut = [j for j, x in enumerate(toks) if x in banned]
+        if cut:
+            toks, rows = toks[:cut[0]], None if rows is None else rows[:cut[0]]
         out = []
-        targets = [_target(P1, temperature)]
+        targets = [_target(P1, temperature, banned)]
         for j, x in enumerate(toks):
             tp = targets[j]
-            q = rows[j].astype(np.float64)
+            q = rows[j].astype(np.float64) if rows is not None else np.eye(V)[x]
             if rng.random() < min(1.0, tp[x] / q[x]):
                 out.append(x)
-                targets.append(_target(P2[x], temperature))
+                targets.append(_target(P2[x], temperature, banned))
             else:
                 out.append(_sample(rng, np.maximum(tp - q, 0)))
                 break
@@ -574,11 +586,11 @@ def _run_exactness(p, temperature, trials, seed=0, extra_args=None):
             m += 1
         last = (len(toks), m)
         while len(out) < 2:  # bonus / next steps
-            tp = _target(P1 if not out else P2[out[0]], temperature)
+            tp = _target(P1 if not out else P2[out[0]], temperature, banned)
             out.append(_sample(rng, tp))
         counts[out[0], out[1]] += 1
-    want = _target(P1, temperature)[:, None] * np.stack(
-        [_target(P2[t], temperature) for t in range(V)])
+    want = _target(P1, temperature, banned)[:, None] * np.stack(
+        [_target(P2[t], temperature, banned) for t in range(V)])
     return chi2_pvalue(counts.ravel(), want.ravel())
 
 
@@ -611,6 +623,39 @@ def test_per_request_debug_rows_only_for_the_marked_request():
     dishonest = {"stand_debug_probs": "uniform"}
     assert _run_exactness(p, 1.0, 6000, extra_args=dishonest) < 1e-4
     assert _run_exactness(p, 1.0, 3000, seed=1) > 0.01
+
+
+# The store's favourite first token, which the request's grammar rejects.
+GRAMMAR_BANNED = (4,)
+
+
+def test_structured_output_drafts_go_out_one_hot_and_stay_exact():
+    """Rule 3: vLLM cuts the draft at the first token the grammar rejects, so
+    whether a position is verified depends on the token drawn there."""
+    p = _exactness_proposer()
+    assert _run_exactness(p, 1.0, 6000, banned=GRAMMAR_BANNED) > 0.01
+    drafted = p.drafted
+    assert drafted["sampled"] > 1000 and drafted["sampled_one_hot"] == drafted["sampled"]
+
+
+def test_honest_rows_under_a_grammar_cut_are_caught_as_biased():
+    """The same check with the rows the tokens were drawn from: biased
+    (p = (.5, .5, 0), q = (0, .5, .5) gives .75 in the smallest case)."""
+    p = _exactness_proposer("drawn")
+    assert _run_exactness(p, 1.0, 6000, banned=GRAMMAR_BANNED) < 1e-4
+    assert p.drafted["sampled_one_hot"] == 0
+
+
+def test_rows_stay_for_requests_without_structured_outputs():
+    p = sampled_setup()
+    r = req("a", [1, 2, 3], [3], verified=[2], num_prompt=2, temperature=1.0)
+    s = req("a", [1, 2, 3], [3], verified=[2], num_prompt=2, temperature=1.0)
+    s.sampling_params.structured_outputs = SimpleNamespace(choice=["x"])
+    p2 = sampled_setup()  # another proposer: the same store, its own draws
+    d = p.step(StepContext([r], max_draft=2))
+    d2 = p2.step(StepContext([s], max_draft=2))
+    assert d.probs[0] is not None and len(d.tokens[0]) > 0
+    assert d2.tokens[0] and (d2.probs is None or d2.probs[0] is None)
 
 
 def test_acceptance_policy_sees_a_length_fixed_before_drafting():
