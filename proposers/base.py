@@ -10,11 +10,11 @@ draft, never the engine.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
 
-from vllm_plugins import clock
 from vllm_plugins.options import Option
 from vllm_plugins.proposers.draft_length import draft_length_options, make_controller
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
@@ -92,13 +92,15 @@ class PluginProposer:
     # ------------------------------------------------------------ our route
     def step(self, ctx: StepContext) -> Drafts:
         """One engine step: learn, draft, trim. Never raises."""
-        start = clock.now()  # controllers decide from it: rank-identical
+        # The bridge gives ctx.last_propose_seconds itself (the same on every
+        # tensor-parallel rank); this process's own time is the fallback.
+        start = time.perf_counter()
         if ctx.last_propose_seconds is None:
             ctx.last_propose_seconds = self._last_propose_seconds
         try:
             return self._step(ctx)
         finally:
-            self._last_propose_seconds = clock.now() - start
+            self._last_propose_seconds = time.perf_counter() - start
 
     def _step(self, ctx: StepContext) -> Drafts:
         try:

@@ -36,10 +36,14 @@ def _clock_reads(rank: int, port: int, queue) -> None:
     group = SimpleNamespace(ranks=[0, 1], cpu_group=dist.group.WORLD)
     if rank == 0:
         time.sleep(0.2)  # rank 1 reaches its reads first
+    from vllm_plugins.bridge import ranks
+
     now = first_rank_clock(group)
     began = time.perf_counter()
     reads = [now() for _ in range(3)]
-    queue.put((rank, reads, began))
+    ranks._GROUP = group
+    values = ranks.first_rank_values(float(rank), None, began)
+    queue.put((rank, reads + list(values), began))
     dist.destroy_process_group()
 
 
@@ -56,12 +60,13 @@ def test_first_rank_clock_gives_every_rank_rank_zeros_reads():
     procs = [ctx.Process(target=_clock_reads, args=(r, port, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = dict((r, (reads, end)) for r, reads, end in
+    got = dict((r, (reads, began)) for r, reads, began in
                (queue.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(timeout=60)
     assert got[0][0] == got[1][0]
-    assert got[0][0] == sorted(got[0][0])
+    reads, (first, none, began) = got[1][0][:3], got[1][0][3:]
+    assert reads == sorted(reads) and (first, none, began) == (0.0, None, got[0][1])
     # Rank 0's reads (perf_counter is one system-wide monotonic clock):
     # none from before rank 0 began, as rank 1's own first read would be.
     assert got[1][1] < got[0][1] <= got[1][0][0]

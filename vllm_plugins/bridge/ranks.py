@@ -7,12 +7,14 @@ and its own token history. So each rank's proposer must produce the same
 drafts and probabilities from the same history. The target's logits are
 all-gathered (identical on every rank), proposers' draws are seeded and
 their data structures deterministic; what differs between processes is the
-clock. ``share_first_rank_clock`` points ``vllm_plugins.clock.now`` at a
-reader that broadcasts the first rank's ``perf_counter`` over vLLM's
-tensor-parallel CPU group, so each timed decision (draft lengths, resting,
-DEL's exit layer) is made from the same seconds on every rank, and every
-rank runs the same self-drafting forwards (the same collectives). With one
-rank nothing changes.
+clock. The bridge measures a step's seconds on each rank and then hands
+every rank the first rank's (``first_rank_values``, one broadcast over
+vLLM's tensor-parallel CPU group per step); a decision a proposer times
+itself (DEL's draft forwards) reads ``vllm_plugins.clock.now``, which under
+tensor parallel broadcasts the first rank's ``perf_counter`` at each read.
+So draft lengths, resting and exit layers are chosen from the same seconds
+on every rank, and every rank runs the same self-drafting forwards (the
+same collectives). With one rank nothing changes: no collective.
 
 ``RankDigest`` is the check: an opt-in running hash of what each step hands
 vLLM (drafts, draft probabilities) and what it was made from (token history,
@@ -65,11 +67,30 @@ def first_rank_clock(group):
     return now
 
 
-def share_first_rank_clock() -> bool:
-    """Under tensor parallel, every rank reads the first rank's clock."""
-    group = tensor_parallel_group()
-    clock.use(first_rank_clock(group) if group is not None else None)
-    return group is not None
+# vLLM's tensor-parallel group when this worker is one of several ranks.
+_GROUP = None
+
+
+def join_tensor_parallel() -> bool:
+    """Called once per worker after the model loads: under tensor parallel,
+    decisions read the first rank's seconds (``clock.now`` and
+    ``first_rank_values``); on one rank, this process's own."""
+    global _GROUP
+    _GROUP = tensor_parallel_group()
+    clock.use(first_rank_clock(_GROUP) if _GROUP is not None else None)
+    return _GROUP is not None
+
+
+def first_rank_values(*values: float | None) -> tuple[float | None, ...]:
+    """The first rank's ``values`` on every rank: one broadcast of a small
+    tensor under tensor parallel (None travels as NaN); on one rank the
+    values themselves, with no work."""
+    if _GROUP is None:
+        return values
+    buf = torch.tensor([np.nan if v is None else float(v) for v in values],
+                       dtype=torch.float64)
+    torch.distributed.broadcast(buf, src=_GROUP.ranks[0], group=_GROUP.cpu_group)
+    return tuple(None if np.isnan(v) else float(v) for v in buf.tolist())
 
 
 class RankDigest:

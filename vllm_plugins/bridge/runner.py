@@ -15,8 +15,8 @@ with one of our proposers:
 from __future__ import annotations
 
 import functools
+import time
 
-from vllm_plugins import clock
 from vllm_plugins.bridge import ranks, step
 from vllm_plugins.bridge.state import attach, state_of
 
@@ -41,7 +41,7 @@ def wrap_after_load(original):
         if not is_ours(drafter):
             return original(self)
         attach(self, drafter)
-        ranks.share_first_rank_clock()
+        ranks.join_tensor_parallel()
         if getattr(drafter, "SELF_DRAFT", False):
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
             from vllm_plugins.self_draft import check_target
@@ -73,7 +73,7 @@ def wrap_execute_model(original):
         state = state_of(self)
         if state is None or state.proposer is None:
             return original(self, *args, **kwargs)
-        state.step_start = now = clock.now()
+        state.step_start = now = time.perf_counter()
         if state.propose_end is not None:
             state.gap_seconds = now - state.propose_end
             state.propose_end = None
@@ -135,7 +135,7 @@ def wrap_propose(original):
             return step.propose(self, state, scheduler_output, sampled_token_ids,
                                 common_attn_metadata, aux_hidden_states)
         finally:
-            state.propose_end = clock.now()
+            state.propose_end = time.perf_counter()
 
     return propose_draft_token_ids
 

@@ -63,6 +63,9 @@ class RunnerState:
     # from there to the next execute_model (scheduling, output handling).
     propose_end: float | None = None
     gap_seconds: float | None = None
+    # Seconds our proposer's last step took (the next context's
+    # last_propose_seconds): the engine waits for it too.
+    propose_seconds: float | None = None
     # Finished request ids seen since the last proposal: a step that
     # schedules no tokens returns before drafting.
     finished: set[str] = field(default_factory=set)

@@ -8,10 +8,12 @@ runners without an engine.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
-from vllm_plugins import clock
+from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import RunnerState, TopkStash
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
@@ -34,13 +36,13 @@ def stash_topk(state: RunnerState, logits: torch.Tensor, spec_decode_metadata) -
     else:
         num_draft = [0] * logits.shape[0]
     ids = lps = None
-    start = clock.now() if k > 0 else 0.0
+    start = time.perf_counter()
     if k > 0:
         with torch.no_grad():
             lps, idx = topk_logprobs(logits, k)
         ids = idx.cpu().numpy().astype(np.int64)
         lps = lps.cpu().numpy()
-    seconds = clock.now() - start if k > 0 else 0.0
+    seconds = time.perf_counter() - start if k > 0 else 0.0
     state.topk = TopkStash(num_draft, draft_ids, ids, lps, seconds)
 
 
@@ -114,14 +116,21 @@ def build_context(runner, state: RunnerState, scheduler_output,
             group_id=group_of(req_id, req_state),
         ))
     gap, state.gap_seconds = state.gap_seconds, None
+    # Controllers decide from these seconds: under tensor parallel every rank
+    # takes the first rank's (one broadcast per step), on one rank its own.
+    step_seconds, propose_seconds, topk_seconds, gap = ranks.first_rank_values(
+        time.perf_counter() - state.step_start if state.step_start else None,
+        state.propose_seconds,
+        topk.seconds if topk is not None else None,
+        gap)
     return StepContext(
         requests=requests,
         finished=take_finished(state, scheduler_output),
         max_draft=state.proposer.max_draft,
-        last_step_seconds=(clock.now() - state.step_start
-                           if state.step_start else None),
+        last_step_seconds=step_seconds,
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
-        last_topk_seconds=topk.seconds if topk is not None else None,
+        last_propose_seconds=propose_seconds,
+        last_topk_seconds=topk_seconds,
         last_gap_seconds=gap,
     )
 
@@ -201,7 +210,9 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     ctx = build_context(runner, state, scheduler_output, sampled_token_ids)
     if getattr(proposer, "SELF_DRAFT", False) and common_attn_metadata is not None:
         add_self_draft(runner, proposer, ctx, common_attn_metadata, aux_hidden_states)
+    start = time.perf_counter()
     drafts: Drafts = proposer.step(ctx)
+    state.propose_seconds = time.perf_counter() - start
     tokens = [list(map(int, t)) for t in drafts.tokens]
     set_draft_probs(runner, drafts, tokens)
     if state.digest is not None:
