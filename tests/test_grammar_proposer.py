@@ -234,6 +234,28 @@ def test_uncompilable_spec_costs_only_forced_drafts(tok):
     assert p.metrics()["grammar_unusable"] == 1
 
 
+def test_structured_requests_lose_inner_rows_even_without_a_matcher(tok):
+    """vLLM cuts a structured-output request's draft at the first token its
+    grammar rejects, so an inner's probability rows are not exact there
+    (proposers/stand.py, rule 3): none go out, whether our matcher could
+    follow the grammar or not. Other requests keep theirs."""
+    from vllm import SamplingParams
+
+    class RowInner(FixedInner):
+        def draft(self, ctx):
+            rows = [np.full((len(t), 49152), 1 / 49152, np.float32) for t in self.next]
+            return Drafts([list(t) for t in self.next], rows)
+
+    inner = RowInner()
+    p = make(tok, inner)
+    inner.next = [[3, 4], [3, 4]]
+    unusable = Req(tok, so_params(json={"type": "object", "not": {}}), rid="s")
+    plain = Req(tok, SamplingParams(temperature=1.0), rid="p")
+    d = run(p, unusable.step([5]), plain.step([5]))
+    assert d.tokens == [[3, 4], [3, 4]] and p.metrics()["grammar_unusable"] == 1
+    assert d.probs[0] is None and d.probs[1].shape == (2, 49152)
+
+
 def test_with_token_recycling_inner(tok):
     """Composed for real: the inner Token Recycling continues after forced
     text from its tables; top-k extraction follows the inner's setting."""
