@@ -36,6 +36,18 @@ from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, RecyclingT
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 
+def writes_shared_files() -> bool:
+    """Whether this process writes files every rank would write alike
+    (``save_path``): the first process of torch.distributed's world, or the
+    only one. Tensor-parallel ranks hold the same tables (they learn from the
+    same gathered logits), so one copy is all of them; under data parallel
+    the first replica's tables are saved. Asked in ``load_model``: vLLM's
+    workers have joined the world by then, and at exit it may be gone."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 class TokenRecyclingProposer(PluginProposer):
     OPTIONS = (
         *draft_length_options("goodput"),
@@ -63,14 +75,14 @@ class TokenRecyclingProposer(PluginProposer):
                                       o["context_slots"])
         if o["warm_start_path"] and os.path.exists(o["warm_start_path"]):
             self.tables.load(o["warm_start_path"])
-        if o["save_path"]:
-            atexit.register(self.tables.save, o["save_path"])
         self._seen: set[str] = set()
         self._walk: tuple[np.ndarray, ...] | None = None  # see _walk_buffers
 
     def load_model(self, target_model: Any) -> None:
         super().load_model(target_model)
         warm_up()  # numba compiles (or loads) the walk now, not in a step
+        if self.options["save_path"] and writes_shared_files():
+            atexit.register(self.tables.save, self.options["save_path"])
 
     def free(self, req_id: str) -> None:
         self._seen.discard(req_id)
