@@ -19,8 +19,10 @@ from vllm_plugins.step_context import Drafts, StepContext
 class AdaptiveNgramProposer(PluginProposer):
     OPTIONS = (
         *draft_length_options("goodput"),
-        positive_int("prompt_lookup_min", 2, 64),
-        positive_int("prompt_lookup_max", 5, 64),
+        # A lookup length allocates nothing; the bound keeps one lookup's cost
+        # to a few thousand comparisons per context position.
+        positive_int("prompt_lookup_min", 2, 4096),
+        positive_int("prompt_lookup_max", 5, 4096),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 5
     CAN_REST = True   # a lookup in each request's context, no state
