@@ -251,7 +251,7 @@ class GrammarProposer(PluginProposer):
             error = matcher.get_error()
             if error:
                 raise ValueError(error)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - kept as None: never retried each step
             self.counts["grammar_unusable"] += 1
             self._log_once("unusable", "request %s: no grammar-forced drafts, its "
                            "structured_outputs spec does not build an llguidance "

@@ -129,6 +129,38 @@ def test_bad_grammar_is_a_clear_value_error(grammar, needle):
         validate_logits_processors_parameters([FQCN], params(grammar))
 
 
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize(
+    "grammar, needle",
+    [
+        # Deeper than Python's json can read or write: was a RecursionError,
+        # which nothing caught as a bad grammar.
+        ({"json_schema": nested_schema(5000)}, "nested too deeply to compile"),
+        ('{"json_schema": ' + '{"items": ' * 5000 + "{}" + "}" * 5001,
+         "nested too deeply to compile"),
+        # Deep enough for llguidance's own limit, or too large for it.
+        ({"json_schema": nested_schema(200)}, "recursion limit exceeded"),
+        ({"json_schema": {"type": "object", "properties": {
+            f"p{i}": {"enum": [f"v{j}" for j in range(50)]} for i in range(20000)}}},
+         "too (large|big)"),
+    ],
+    ids=["python-depth", "python-depth-text", "llguidance-depth", "too-large"],
+)
+def test_schema_that_cannot_compile_is_refused_naming_why(grammar, needle):
+    with pytest.raises(GrammarSpecError, match=needle):
+        validate_grammar_request({"grammar": grammar})
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match=needle):
+        validate_logits_processors_parameters([FQCN], params(grammar))
+
+
 def test_good_grammars_validate():
     for g in (
         {"json_schema": SCHEMA},

@@ -234,6 +234,24 @@ def test_uncompilable_spec_costs_only_forced_drafts(tok):
     assert p.metrics()["grammar_unusable"] == 1
 
 
+def test_too_deep_schema_costs_its_forced_drafts_once(tok):
+    """A schema nested deeper than Python can copy or read raised
+    RecursionError, which was not taken as a bad grammar: retried every step,
+    and the whole batch lost its drafts (a proposer error). Now it is one
+    unusable grammar, compiled once."""
+    schema: dict = {"type": "integer"}
+    for _ in range(5000):
+        schema = {"type": "object", "properties": {"a": schema}}
+    inner = FixedInner()
+    p = make(tok, inner)
+    inner.next = [[3, 4]]
+    deep = Req(tok, so_params(json=schema))
+    for out in ([5], [5, 6], [5, 6, 7]):
+        assert run(p, deep.step(out)).tokens == [[3, 4]]
+    m = p.metrics()
+    assert m["grammar_unusable"] == 1 and m["num_errors"] == 0
+
+
 def test_structured_requests_lose_inner_rows_even_without_a_matcher(tok):
     """vLLM cuts a structured-output request's draft at the first token its
     grammar rejects, so an inner's probability rows are not exact there

@@ -29,6 +29,7 @@ that any ``LLMatcher`` (built per request in the worker) accepts.
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -173,7 +174,7 @@ def _to_llguidance(raw: Any) -> tuple[str, str, bool]:
 def _cache_key(raw: Any) -> str | None:
     try:
         return json.dumps(raw, allow_nan=False)  # order-preserving: property order is meaningful
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return None  # not cacheable; compile_grammar_request reports the error
 
 
@@ -205,6 +206,10 @@ def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
         kind, grammar, aligned = _to_llguidance(raw)
     except GrammarSpecError as e:
         return e
+    except RecursionError:
+        # Python's json (reading or writing the spec) gives up on deep nesting
+        # before llguidance's own depth limit is reached: a bad grammar too.
+        return GrammarSpecError(nested_too_deeply(_WHERE))
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
         msg = messages[0].strip() if messages else "unknown error"
@@ -218,12 +223,18 @@ def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
     return CompiledGrammar(kind, grammar, tuple(messages), aligned)
 
 
+def nested_too_deeply(where: str) -> str:
+    return (f"{where} is nested too deeply to compile (more levels than "
+            f"Python's recursion limit, {sys.getrecursionlimit()}, allows)")
+
+
 def compile_grammar_request(raw: Any) -> CompiledGrammar:
     """Compile ``extra_args["grammar"]`` to an llguidance grammar (cached).
 
     Raises :class:`GrammarSpecError` naming what is wrong: not a dict, unknown
-    key, zero or two grammar keys, a bad option, or llguidance's own compile
-    error (bad schema, unsupported keyword, bad regex, bad Lark).
+    key, zero or two grammar keys, a bad option, nesting too deep to read,
+    or llguidance's own compile error (bad schema, unsupported keyword, bad
+    regex, bad Lark, a grammar over its size or depth limits).
     """
     result = _COMPILED.get_or(_cache_key(raw), lambda: _compile_uncached(raw))
     if isinstance(result, GrammarSpecError):

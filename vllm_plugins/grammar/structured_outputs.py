@@ -34,6 +34,7 @@ from vllm_plugins.grammar.spec import (
     CompiledGrammar,
     GrammarSpecError,
     compile_grammar_request,
+    nested_too_deeply,
 )
 
 # Keywords whose values are maps of sub-schemas / sub-schemas (lists or single):
@@ -89,9 +90,17 @@ def grammar_for(structured_outputs: Any, so_config: Any = None) -> CompiledGramm
     """The llguidance grammar for a request's ``StructuredOutputsParams``, or
     None when it has none we can follow. Raises ``GrammarSpecError`` when the
     spec does not compile for llguidance (vLLM may still serve it, e.g. with
-    xgrammar; the caller then drafts without the grammar)."""
+    xgrammar; the caller then drafts without the grammar), nesting too deep
+    for Python to read included."""
     if structured_outputs is None:
         return None
+    try:
+        return _grammar_for(structured_outputs, so_config)
+    except RecursionError:
+        raise GrammarSpecError(nested_too_deeply("structured_outputs")) from None
+
+
+def _grammar_for(structured_outputs: Any, so_config: Any) -> CompiledGrammar | None:
     so = structured_outputs
     flexible = not bool(getattr(so_config, "disable_any_whitespace", False))
     backend = getattr(so, "_backend", None) or getattr(so_config, "backend", None)
