@@ -218,14 +218,16 @@ prompts = ["The capital of France is Paris. The capital of France is",
            "Count: one, two, three, four, five, six, seven, eight,"]
 params = SamplingParams(temperature=0.0, max_tokens=32)
 methods = json.loads(sys.argv[1])
-out = {"vllm_plugins": vllm_plugins.__file__, "outputs": {}, "drafted": {}}
+out = {"vllm_plugins": vllm_plugins.__file__, "outputs": {}, "drafted": {}, "errors": {}}
 for name, spec in methods.items():
     llm = build_engine(default_model_path(), spec, max_num_seqs=2, max_model_len=512,
                        kv_cache_mib=256)
     out["outputs"][name] = [list(o.outputs[0].token_ids)
                             for o in llm.generate(prompts, params, use_tqdm=False)]
     if spec:
-        out["drafted"][name] = (engine_stats(llm).get("proposer") or {}).get("drafted", 0)
+        stats = engine_stats(llm)  # the runner's counters, and the proposer's
+        out["drafted"][name] = stats.get("drafted", 0)
+        out["errors"][name] = (stats.get("proposer") or {}).get("num_errors")
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -273,3 +275,4 @@ def test_wheel_serves_from_a_fresh_environment(wheel, tmp_path):
     for name in ("swift", "token_recycling"):
         assert result["outputs"][name] == plain, name
         assert result["drafted"][name] > 0, (name, result["drafted"])
+        assert result["errors"][name] == 0, (name, result["errors"])
