@@ -33,6 +33,18 @@ plainly, with a warning).
 Termination: when the grammar is complete and admits nothing more (llguidance
 matcher stopped), the request's EOS token is forced; while the grammar could
 end or go on, EOS is allowed along with the continuations.
+
+Failure: when a request's grammar cannot go on (its matcher errs, the worker
+cannot build it, or the last sampled token is not visible), the processor
+forces ``FAILURE_TEXT`` and then EOS, and logs the reason. A logits processor
+has no way to end one request with an error: it sees batch rows, not request
+ids, and only the scheduler sets a finish reason (vLLM finishes its own
+structured-output requests whose grammar rejects a token with
+``FINISHED_ERROR``, but that path is the scheduler's grammar only). Changing
+the request's ``stop`` strings in ``validate_params`` would name the failure
+as ``stop_reason``, but vLLM's validation must not mutate the caller's
+params. So the client sees finish reason ``stop`` and an answer that ends
+with ``FAILURE_TEXT`` (never a silent, truncated ``stop``).
 """
 
 from __future__ import annotations
@@ -72,13 +84,16 @@ logger = init_logger(__name__)
 __all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
 
 _PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
+#: What a request whose grammar failed says at the end of its output.
+FAILURE_TEXT = " [grammar error: output stopped]"
 _SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
 
 
 class _GrammarRequest:
     """One request's matcher and how far it has read the request's output."""
 
-    __slots__ = ("matcher", "output", "n_consumed", "eos", "failed", "asap")
+    __slots__ = ("matcher", "output", "n_consumed", "eos", "failed", "asap",
+                 "after_failure")
 
     def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int] | None, eos: int):
         self.matcher = matcher
@@ -87,22 +102,28 @@ class _GrammarRequest:
         self.output = output
         self.n_consumed = 0
         self.eos = eos
-        # Set once; a failed request is forced to EOS (fail closed, logged).
+        # Set once; a failed request is forced to FAILURE_TEXT, then EOS
+        # (fail closed, logged). after_failure: its output tokens since then.
         self.failed: str | None = None if matcher is not None else "grammar unavailable"
+        self.after_failure = 0
         # ``"aligned": true`` (V1): this request's walk down its prompt's ASAp trie.
         self.asap: AsapCursor | None = None
 
     def consume(self, tokens: list[int]) -> None:
-        if self.failed or not tokens:
+        if not tokens:
+            return
+        if self.failed:
+            self.after_failure += len(tokens)
+            self.n_consumed += len(tokens)
             return
         m = self.matcher
         if m.is_stopped():
             # Only EOS was allowed; anything after it (ignore_eos) is not grammar text.
             self.n_consumed += len(tokens)
         else:
-            if not m.consume_tokens(tokens):
-                self.failed = m.get_error() or "token rejected by the grammar"
             self.n_consumed += len(tokens)
+            if not m.consume_tokens(tokens):
+                self.fail(m.get_error() or "token rejected by the grammar")
         if self.asap is not None and not self.failed:
             self.asap.advance(tokens)  # stops by itself at EOS
 
@@ -119,6 +140,19 @@ class _GrammarRequest:
             return False
         self.consume(new)
         return True
+
+    def fail(self, reason: str) -> None:
+        if self.failed is None:
+            self.failed = reason
+            self.after_failure = 0
+
+    def forced(self, n_rows: int, failure_tokens: list[int]) -> list[int]:
+        """The tokens forced on this request's next ``n_rows`` rows: the rest
+        of the failure text, if it failed, then EOS."""
+        if not self.failed:
+            return [self.eos] * n_rows
+        rest = failure_tokens[self.after_failure:self.after_failure + n_rows]
+        return rest + [self.eos] * (n_rows - len(rest))
 
     @property
     def must_stop(self) -> bool:
@@ -148,6 +182,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         self._vocab_size = self._model_config.get_vocab_size()
         self._runtime: GrammarRuntime | None = None
         self._runtime_error: str | None = None
+        self._failure_tokens: list[int] | None = None  # FAILURE_TEXT, tokenized
         # V1: batch index -> request. V2: persistent slot -> request.
         self._reqs: dict[int, _GrammarRequest] = {}
         self._logged: set[str] = set()
@@ -223,6 +258,15 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
                 )
         return self._runtime
 
+    def _failure_text_tokens(self) -> list[int]:
+        """FAILURE_TEXT as this tokenizer spells it; none without a tokenizer."""
+        if self._failure_tokens is None:
+            rt = self._runtime
+            self._failure_tokens = ([] if rt is None else
+                                    [int(t) for t in rt.ll_tokenizer.tokenize_str(FAILURE_TEXT)
+                                     if int(t) < self._vocab_size])
+        return self._failure_tokens
+
     def _new_request(
         self, params: "SamplingParams", output: list[int] | None,
         prompt: list[int] | None = None,
@@ -246,7 +290,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
             return req
         if matcher.is_error():
             req = _GrammarRequest(None, output, eos)
-            req.failed = matcher.get_error()
+            req.failed = matcher.get_error() or "the grammar's matcher failed"
             return req
         req = _GrammarRequest(matcher, output, eos)
         if compiled.aligned:
@@ -310,18 +354,24 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         force_rows: list[int] = []
         force_toks: list[int] = []
         n_logits = logits.shape[0]
+        failure_tokens = self._failure_text_tokens()
         aligned = [(row, req) for row, req in zip(rows, reqs)
                    if req.asap is not None and not req.asap.done and not drafts]
         raw = [logits[row].clone() for row, _ in aligned]  # before the mask
         for i, (row, req) in enumerate(zip(rows, reqs)):
             if req.failed:
                 self._log_once(f"failed:{req.failed}",
-                               "grammar request stopped (EOS forced): %s", req.failed)
+                               "grammar request ended with %r, then EOS: %s",
+                               FAILURE_TEXT, req.failed)
             draft = drafts[i] if drafts else ()
             n_rows = 1 + len(draft)
-            if req.must_stop or rt is None:
+            if rt is None and not req.failed:
+                req.fail(self._runtime_error or "grammar unavailable")
+            if req.must_stop:
+                # Row row+j follows draft[:j]: forcing the text's next tokens
+                # there keeps it whole whichever drafts are accepted.
                 force_rows.extend(range(row, row + n_rows))
-                force_toks.extend([req.eos] * n_rows)
+                force_toks.extend(req.forced(n_rows, failure_tokens))
                 continue
             fill_pairs.append((req.matcher, row))
             mask_rows.append(row)
@@ -398,8 +448,10 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
                 # vLLM patches placeholders before sampling only for explicitly
                 # configured processors; with the entry point alone under async
                 # scheduling the tokens stay unknown: stop rather than guess.
-                req.failed = ("the last sampled token is not visible to logits "
-                              "processors (async scheduling; pass --logits-processors)")
+                req.fail("the last sampled token is not visible to logits "
+                         "processors (async scheduling; pass --logits-processors)")
+                # Nor would the failure text's tokens be: EOS at once.
+                req.after_failure = 1 << 30
             rows.append(index)
             reqs.append(req)
         return self._mask(logits, rows, reqs)

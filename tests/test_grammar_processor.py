@@ -339,13 +339,32 @@ def test_batch_add_move_swap_remove(proc, tokenizer, vocab):
     assert not proc._reqs
 
 
-def test_rejected_token_fails_closed(proc, tokenizer, vocab):
+def forced_until_eos(proc, out: list[int], vocab: int, limit: int = 64) -> list[int]:
+    """Apply step after step, each time emitting the one token left allowed,
+    until that is EOS (2); returns the tokens before it."""
+    start = len(out)
+    for _ in range(limit):
+        logits = torch.zeros(1, vocab)
+        proc.apply(logits)
+        ok = allowed(logits[0])
+        assert len(ok) == 1, len(ok)
+        (tok,) = ok
+        if tok == 2:
+            return out[start:]
+        out.append(tok)
+    raise AssertionError("EOS never forced")
+
+
+def test_rejected_token_ends_with_the_failure_text(proc, tokenizer, vocab):
+    """A matcher error mid-request is not a silent stop: the answer ends
+    with FAILURE_TEXT, then EOS."""
+    from vllm_plugins.logits_processors.grammar import FAILURE_TEXT
+
     out: list[int] = []
     add(proc, (0, params({"regex": "abc"}), out))
     out.extend(toks(tokenizer, "xyz"))  # e.g. another processor overrode the mask
-    logits = torch.zeros(1, vocab)
-    proc.apply(logits)
-    assert allowed(logits[0]) == {2}
+    said = forced_until_eos(proc, out, vocab)
+    assert tokenizer.decode(said) == FAILURE_TEXT
 
 
 def test_async_placeholder_is_waited_for_then_fails_closed(proc, tokenizer, vocab):
@@ -377,12 +396,13 @@ def test_logits_wider_than_tokenizer_are_masked(proc, tokenizer, vocab):
     assert not torch.isfinite(logits[0, vocab:]).any()
 
 
-def test_bad_request_reaching_worker_is_stopped_not_crashing(proc, vocab):
+def test_bad_request_reaching_worker_is_stopped_not_crashing(proc, tokenizer, vocab):
+    from vllm_plugins.logits_processors.grammar import FAILURE_TEXT
+
     out: list[int] = []
     add(proc, (0, params({"regex": "a(b"}), out))  # validate_params would have refused it
-    logits = torch.zeros(1, vocab)
-    proc.apply(logits)
-    assert allowed(logits[0]) == {2}
+    said = forced_until_eos(proc, out, vocab)
+    assert said == out and tokenizer.decode(said) == FAILURE_TEXT  # from its first token
 
 
 # ------------------------------------------------------------------- V2 path
