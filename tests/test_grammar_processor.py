@@ -480,6 +480,24 @@ def test_v2_spec_decode_rows_follow_drafts(vllm_config, tokenizer, vocab):
     assert proc._reqs[0].matcher.validate_tokens([tb, tc]) == 2
 
 
+def test_v2_failure_text_runs_across_draft_rows(vllm_config, tokenizer, vocab):
+    """Row j of a failed request follows draft[:j]: it is forced to the
+    failure text's next token but j, so the text stays whole whichever
+    drafts the rejection sampler accepts."""
+    from vllm_plugins.logits_processors.grammar import FAILURE_TEXT
+
+    proc, rs = _v2(vllm_config)
+    proc.add_request(0, params({"regex": "ab"}))
+    tx = toks(tokenizer, "x")[0]
+    rs.prompt_len.np[0] = 1
+    rs.all_token_ids.gpu[0, :2] = torch.tensor([5, tx])  # committed "x": rejected
+    ctx = _ctx([0], [3], [1, 2, 3], [tx, 7, 8])
+    logits = torch.zeros(3, vocab)
+    proc.apply(logits, ctx)
+    text = tokenizer(FAILURE_TEXT, add_special_tokens=False)["input_ids"]
+    assert [allowed(logits[j]) for j in range(3)] == [{t} for t in text[:3]]
+
+
 def test_bench_script_smoke(capsys):
     from vllm_plugins.bench.grammar_bench import main
 
