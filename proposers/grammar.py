@@ -1,9 +1,9 @@
 """Grammar-forced drafts for requests that use vLLM's own structured outputs.
 
-``{"method": "grammar"}`` alone, or around another of our proposers::
+``{"method": "grammar_forced"}`` alone, or around another of our proposers::
 
-    {"method": "grammar", "inner": "token_recycling", "num_speculative_tokens": 6}
-    {"method": "grammar", "num_speculative_tokens": 6,
+    {"method": "grammar_forced", "inner": "token_recycling", "num_speculative_tokens": 6}
+    {"method": "grammar_forced", "num_speculative_tokens": 6,
      "inner": {"method": "token_recycling", "topk": 8, "context_order": 3}}
 
 For a request with ``structured_outputs`` (``response_format`` on the server),
@@ -44,7 +44,7 @@ from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")
 
-_METHOD = "grammar"
+_METHOD = "grammar_forced"
 _TIMING_WINDOW = 20_000  # draft-time samples kept for p50 / p99
 
 
@@ -78,7 +78,7 @@ def parse_inner(value: Any) -> tuple[str | None, dict]:
         raise ValueError(f"speculative_config option 'inner' of method '{_METHOD}' "
                          f"cannot be {name!r}: {reason}")
     cls = METHODS[name].proposer_class()
-    where = f"{name}' (inner of '{_METHOD}"  # reads: method 'x' (inner of 'grammar')
+    where = f"{name}' (inner of '{_METHOD}"  # reads: method 'x' (inner of 'grammar_forced')
     resolved = resolve(where, cls.OPTIONS, opts)
     if resolved["draft_length"] != "fixed":
         from vllm_plugins.proposers.draft_length import policy_options

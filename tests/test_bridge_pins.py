@@ -317,6 +317,12 @@ def test_our_method_names_are_not_vllms():
     # A name vLLM defines always reaches vLLM untouched.
     assert translate({"method": "ngram", "num_speculative_tokens": 3}) == (
         {"method": "ngram", "num_speculative_tokens": 3}, None)
+    # vLLM's upstream "grammar" prototype: ours is named apart, and the old
+    # name says so while vLLM does not define it.
+    assert "grammar" not in METHODS
+    if "grammar" not in vllm_names:
+        with pytest.raises(ValueError, match="'grammar' is 'grammar_forced'"):
+            translate({"method": "grammar"})
 
 
 def test_runner_groups_attention_layers_by_kv_cache_spec():

@@ -27,7 +27,7 @@ from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 VOCAB = 49152  # the default model's (SmolLM2) tokenizer
 # Methods that cannot run inside the grammar proposer; every other registered
 # method must work there.
-REFUSED = {"grammar": "composition is one level deep"}
+REFUSED = {"grammar_forced": "composition is one level deep"}
 # Options that make a method draft on this short synthetic run.
 INNER_OPTIONS = {
     "swift": {"draft_vocab": 0},
@@ -202,7 +202,7 @@ def grammar_accepts(matcher, output: list[int], draft: list[int]) -> bool:
 # ------------------------------------------------------------ every method
 @pytest.mark.parametrize("name", sorted(METHODS))
 def test_every_method_as_inner_works_or_is_refused_at_start(name, tok, json_matcher):
-    user = {"method": "grammar", "inner": {"method": name, **INNER_OPTIONS.get(name, {})}}
+    user = {"method": "grammar_forced", "inner": {"method": name, **INNER_OPTIONS.get(name, {})}}
     if name in REFUSED:
         with pytest.raises(ValueError) as e:
             translate(user)
@@ -238,7 +238,7 @@ def test_every_method_as_inner_works_or_is_refused_at_start(name, tok, json_matc
 
 
 def test_grammar_alone_steps_without_an_inner(tok):
-    proposer = GrammarProposer(fake_config({"method": "grammar"}), tokenizer=tok)
+    proposer = GrammarProposer(fake_config({"method": "grammar_forced"}), tokenizer=tok)
     assert proposer.inner is None
     for drafts, _, reqs in run_steps(proposer, tok):
         for i, r in enumerate(reqs):
@@ -296,18 +296,18 @@ def test_custom_method_that_cannot_be_inner_is_refused_at_start(custom, cls_name
     custom("mine", cls_name, path)
     for inner in ("mine", {"method": "mine"}):
         with pytest.raises(ValueError) as e:
-            translate({"method": "grammar", "inner": inner})
+            translate({"method": "grammar_forced", "inner": inner})
         msg = str(e.value)
         assert "'inner'" in msg and "'mine'" in msg and reason in msg, msg
     # and the list of what may be inner leaves it out
     with pytest.raises(ValueError) as e:
-        translate({"method": "grammar", "inner": "nope"})
+        translate({"method": "grammar_forced", "inner": "nope"})
     assert "'mine'" not in str(e.value) and "token_recycling" in str(e.value)
 
 
 def test_custom_method_as_inner_drafts_and_continues(custom, tok):
     custom("echo", "LastTokenEcho")
-    proposer = GrammarProposer(fake_config({"method": "grammar", "inner": "echo"}),
+    proposer = GrammarProposer(fake_config({"method": "grammar_forced", "inner": "echo"}),
                                tokenizer=tok)
     assert isinstance(proposer.inner, LastTokenEcho)
     steps = run_steps(proposer, tok)

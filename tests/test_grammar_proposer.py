@@ -299,19 +299,19 @@ def test_inner_option_shapes():
 
 
 @pytest.mark.parametrize("inner, words", [
-    ("grammar", ["'inner'", "'grammar'"]),
+    ("grammar_forced", ["'inner'", "'grammar_forced'"]),
     ("nope", ["'inner'", "token_recycling"]),
     ({"topk": 4}, ["'inner'", "method"]),
     ({"method": "token_recycling", "topk": 0}, ["'topk'", "token_recycling",
-                                                 "inner of 'grammar'"]),
-    ({"method": "token_recycling", "topkk": 3}, ["topkk", "inner of 'grammar'"]),
+                                                 "inner of 'grammar_forced'"]),
+    ({"method": "token_recycling", "topkk": 3}, ["topkk", "inner of 'grammar_forced'"]),
     (3, ["'inner'"]),
 ])
 def test_bad_inner_option_is_refused_at_translation(inner, words):
     from vllm_plugins.registry import translate
 
     with pytest.raises(ValueError) as e:
-        translate({"method": "grammar", "inner": inner})
+        translate({"method": "grammar_forced", "inner": inner})
     for w in words:
         assert w in str(e.value), str(e.value)
 
@@ -319,7 +319,7 @@ def test_bad_inner_option_is_refused_at_translation(inner, words):
 def test_translation_routes_to_custom_class():
     from vllm_plugins.registry import translate
 
-    rest, opts = translate({"method": "grammar", "inner": "token_recycling",
+    rest, opts = translate({"method": "grammar_forced", "inner": "token_recycling",
                             "num_speculative_tokens": 5})
     assert rest["method"] == "custom_class"
     assert rest["model"] == "vllm_plugins.proposers.grammar.GrammarProposer"

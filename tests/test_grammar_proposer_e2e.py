@@ -92,8 +92,8 @@ def reference(base, schemas):
 
 
 @pytest.fixture(scope="module", params=[
-    {"method": "grammar", "num_speculative_tokens": 6},
-    {"method": "grammar", "num_speculative_tokens": 6, "inner": "token_recycling"},
+    {"method": "grammar_forced", "num_speculative_tokens": 6},
+    {"method": "grammar_forced", "num_speculative_tokens": 6, "inner": "token_recycling"},
 ], ids=["grammar", "grammar+token_recycling"])
 def spec(request, model_path, reference):
     llm = engine(model_path, request.param)
@@ -137,7 +137,7 @@ def test_greedy_identical_to_structured_output_without_speculation(spec, referen
 def test_bad_inner_option_fails_at_start(model_path):
     from vllm import LLM
 
-    with pytest.raises(ValueError, match=r"'topk'.*inner of 'grammar'"):
+    with pytest.raises(ValueError, match=r"'topk'.*inner of 'grammar_forced'"):
         LLM(model=model_path, enforce_eager=True, dtype="float32",
-            speculative_config={"method": "grammar",
+            speculative_config={"method": "grammar_forced",
                                 "inner": {"method": "token_recycling", "topk": 0}})

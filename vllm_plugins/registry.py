@@ -42,10 +42,13 @@ METHODS: dict[str, Method] = {
         Method("swift", "vllm_plugins.proposers.layer_skip.swift.SwiftProposer"),
         Method("del",
                "vllm_plugins.proposers.layer_skip.dynamic_exit.DynamicExitProposer"),
-        Method("grammar", "vllm_plugins.proposers.grammar.GrammarProposer"),
+        Method("grammar_forced", "vllm_plugins.proposers.grammar.GrammarProposer"),
     )
 }
 BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
+# Names vLLM has taken or is taking upstream (an open prototype uses
+# "grammar"): where vLLM does not define them, a user who types one learns ours.
+RENAMED = {"grammar": "grammar_forced"}
 
 
 def register_method(name: str, class_path: str) -> None:
@@ -87,6 +90,10 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
     if (isinstance(method_name, str) and method_name != "custom_class"
             and method_name in vllm_method_names()):
         return user, None
+    if isinstance(method_name, str) and method_name in RENAMED:
+        raise ValueError(
+            f"speculative method '{method_name}' is '{RENAMED[method_name]}' in "
+            f"vllm-plugins (vLLM reserves '{method_name}' for a method of its own)")
     method = METHODS.get(method_name) if isinstance(method_name, str) else None
     if method is None:
         # The dotted custom_class route to one of our classes: defaults apply.

@@ -56,8 +56,8 @@ import time
 
 METHODS = {
     "none": None,
-    "grammar": {"method": "grammar", "num_speculative_tokens": 6},
-    "grammar+token_recycling": {"method": "grammar", "inner": "token_recycling",
+    "grammar": {"method": "grammar_forced", "num_speculative_tokens": 6},
+    "grammar+token_recycling": {"method": "grammar_forced", "inner": "token_recycling",
                                 "num_speculative_tokens": 6},
     # Not run unless asked for: the inner proposer alone, to show what the
     # grammar adds to it.
