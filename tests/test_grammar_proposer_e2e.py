@@ -94,7 +94,9 @@ def reference(base, schemas):
 @pytest.fixture(scope="module", params=[
     {"method": "grammar_forced", "num_speculative_tokens": 6},
     {"method": "grammar_forced", "num_speculative_tokens": 6, "inner": "token_recycling"},
-], ids=["grammar", "grammar+token_recycling"])
+    # An inner whose constructor the grammar proposer once could not call.
+    {"method": "grammar_forced", "num_speculative_tokens": 6, "inner": "ngram_adaptive"},
+], ids=["grammar", "grammar+token_recycling", "grammar+ngram_adaptive"])
 def spec(request, model_path, reference):
     llm = engine(model_path, request.param)
     yield llm
