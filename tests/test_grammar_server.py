@@ -61,16 +61,29 @@ def test_server_grammar_via_vllm_xargs(server):
     assert body["choices"][0]["text"] in (" yes", " no")
 
 
+# Nested deeper than Python's json reads (as text: json.dumps would refuse it
+# here already), deep enough for llguidance's own limit, and too large for it.
+TOO_DEEP_FOR_PYTHON = '{"json_schema": ' + '{"items": ' * 5000 + "{}" + "}" * 5001
+TOO_DEEP = {"json_schema": json.loads('{"items": ' * 200 + "{}" + "}" * 200)}
+TOO_LARGE = {"json_schema": {"type": "object", "properties": {
+    f"p{i}": {"enum": [f"v{j}" for j in range(50)]} for i in range(3000)}}}
+
+
 @pytest.mark.parametrize("grammar, needle", [
     ({"json_schema": {"type": "frobnicate"}}, "Invalid type: frobnicate"),
     ({"regex": "a", "lark": "start: 'a'"}, "exactly one of the keys"),
     ({"regexp": "a"}, "unknown key(s) 'regexp'"),
-])
+    (TOO_DEEP_FOR_PYTHON, "nested too deeply to compile"),
+    (TOO_DEEP, "recursion limit exceeded"),
+    (TOO_LARGE, "too big"),
+], ids=["bad-type", "two-kinds", "unknown-key", "too-deep-python", "too-deep",
+        "too-large"])
 def test_server_bad_grammar_is_400_and_server_keeps_serving(server, grammar, needle):
     base, model = server
     status, body = _post(base + "/v1/completions", {
         "model": model, "prompt": "x", "max_tokens": 5,
-        "vllm_xargs": {"grammar": json.dumps(grammar)},
+        "vllm_xargs": {"grammar": grammar if isinstance(grammar, str)
+                       else json.dumps(grammar)},
     })
     assert status == 400, body
     assert needle in body["error"]["message"]
