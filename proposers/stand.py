@@ -193,12 +193,14 @@ class StandProposer(PluginProposer):
         # the exactness test can show it catches a biased proposer.
         # "drawn" hands the distribution drawn from even where vLLM's
         # verification depends on the drawn token (structured outputs, rule
-        # 3), which biases those requests.
+        # 3), which biases those requests. "argmax" drafts the distribution's
+        # most probable token but hands the distribution as if it had been
+        # drawn from it, on every request: output leans to the mode.
         # "per_request": exact, except for requests whose
-        # SamplingParams.extra_args has {"stand_debug_probs": "uniform"} or
-        # "drawn" (one engine serves both sides of the test).
+        # SamplingParams.extra_args has {"stand_debug_probs": <one of these>}
+        # (one engine serves both sides of the test).
         Option("debug_probs", "exact", str,
-               choices=("exact", "uniform", "drawn", "per_request")),
+               choices=("exact", "uniform", "drawn", "argmax", "per_request")),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
 
@@ -438,6 +440,7 @@ class StandProposer(PluginProposer):
         top_k = int(getattr(params, "top_k", 0) or 0) if sampled else 0
         top_p = float(getattr(params, "top_p", 1.0) or 1.0) if sampled else 1.0
         rng = self._rng_for(r) if sampled else None
+        mode = self._debug_mode(params) if sampled else "exact"
         for _ in range(length):
             slot, order = store.find(seq, self.max_order)
             if slot < 0:
@@ -463,7 +466,7 @@ class StandProposer(PluginProposer):
                 q /= q.sum()
                 with np.errstate(divide="ignore"):
                     g = np.log(q) - np.log(-np.log(rng.random(len(q))))
-                x = int(ids[int(np.argmax(g))])
+                x = int(ids[int(np.argmax(g if mode != "argmax" else q))])
                 rows.append((ids, q32))
             else:
                 x = int(ids[0])
@@ -475,8 +478,7 @@ class StandProposer(PluginProposer):
                 seq.pop(0)
         self.drafted["sampled" if sampled else "greedy"] += len(out)
         dense = None
-        mode = self._debug_mode(params) if sampled else "exact"
-        if (sampled and out and mode not in ("uniform", "drawn")
+        if (sampled and out and mode not in ("uniform", "drawn", "argmax")
                 and verification_depends_on_token(params)):
             self.drafted["sampled_one_hot"] += len(out)  # rule 3: no rows
         elif sampled and out:

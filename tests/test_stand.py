@@ -646,6 +646,11 @@ def test_honest_rows_under_a_grammar_cut_are_caught_as_biased():
     assert p.drafted["sampled_one_hot"] == 0
 
 
+def test_the_exactness_check_catches_argmax_drafts_with_drawn_rows():
+    """debug_probs "argmax", the structured-output e2e test's control."""
+    assert _run_exactness(_exactness_proposer("argmax"), 1.0, 6000) < 1e-4
+
+
 def test_rows_stay_for_requests_without_structured_outputs():
     p = sampled_setup()
     r = req("a", [1, 2, 3], [3], verified=[2], num_prompt=2, temperature=1.0)
