@@ -49,9 +49,8 @@ from collections.abc import Iterable
 
 import torch
 
-#: Default cap on trie nodes per engine (all tries together). One node is about
-#: 340 bytes (measured, docs/grammar.md), so the default bounds ASAp's state to
-#: roughly 35 MB per engine.
+#: Default cap on trie nodes per engine (all tries together): it bounds ASAp's
+#: state per engine (docs/grammar.md states the bytes per node).
 DEFAULT_MAX_NODES = 100_000
 #: Environment variable that overrides :data:`DEFAULT_MAX_NODES`.
 MAX_NODES_ENV = "VLLM_PLUGINS_ASAP_MAX_NODES"

@@ -51,7 +51,7 @@ LATER = 200  # the last LATER samples are compared with the target
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Row-sized torch ops are ~100x slower with 2 threads on a loaded 2-core box."""
+    """Row-sized torch ops are far slower with 2 threads on a loaded 2-core box."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -76,8 +76,8 @@ def test_cost_model_nonnegative_fit_is_the_best_nonnegative_subset_fit():
 
 def test_cost_model_fits_the_cost_of_a_verifying_step():
     """A step that verifies drafts costs d more than the token line says
-    (measured on the CPU default at batch 16: about 6 ms on 80 ms). The fit
-    recovers d, and leaves it at 0 until both kinds of step were seen."""
+    (vLLM's rejection sampler runs only then). The fit recovers d, and leaves
+    it at 0 until both kinds of step were seen."""
     rng = np.random.default_rng(2)
     m = StepCostModel(cost_features="tokens+batch")
     for _ in range(16):

@@ -46,8 +46,8 @@ def test_goodput_keeps_none_where_only_the_verify_step_cost_makes_drafts_lose():
 
 def test_goodput_learns_the_cost_of_new_step_sizes_and_keeps_to_few():
     """A runtime that rebuilds its kernels for a token count it has not seen
-    among the last 32 (vLLM's CPU linear layers; about 100 ms on an 80 ms
-    step there). Requests of mixed acceptance make the best draft count
+    among the last 32 (vLLM's CPU linear layers: vllm_plugins.bench.kernel_sizes
+    measures that cost). Requests of mixed acceptance make the best draft count
     differ every step; a rule that knows the cost keeps to a few step sizes
     and delivers more tokens per second than the same rule blind to it."""
     rates, sizes = {}, {}

@@ -279,10 +279,9 @@ def _deep_world_step(c, ids, rng, p_first, p_deep, conf=None):
 @pytest.mark.parametrize("with_conf", [False, True])
 def test_deep_positions_learn_their_own_higher_rate(with_conf):
     # Position 1 is right 30% of the time; a draft that survived it is right
-    # 95% of the time after (a copy regime, as measured with Token Recycling).
-    # A pooled per-request rate would value every position at ~0.3 (measured
-    # with the previous estimator: 0.22 at position 4; calibration 0.34) and
-    # cut chains that pay; the depth profile learns the deep rate.
+    # 95% of the time after (a copy regime). A pooled per-request rate would
+    # value every position at about 0.3 and cut chains that pay; the depth
+    # profile learns the deep rate.
     if with_conf:
         c = make_policy("confidence", threshold=0.15)
     else:

@@ -147,9 +147,9 @@ class Rest:
     _REST_AFTER = 3
     _REST_MIN = 4
     _REST_MAX = 32
-    # Decayed steps of each mode before they are compared: at batch 1 the
-    # host moves a step by +-25% between prompts, and with 8 the comparison
-    # rested through copy stretches.
+    # Decayed steps of each mode before they are compared: step times move a
+    # lot between prompts on a shared host, and a short comparison rests
+    # through copy stretches (tests/test_draft_length_rest.py).
     _MODE_EVIDENCE = 32.0
     # Rest is probed until this much of it is measured (two short rests),
     # not until the comparison may start: at batch 1, probing on to 32

@@ -101,7 +101,7 @@ def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
         if RERUN in runs and m in ("none", RERUN):
             # The rerun and "none" are one engine given the same prompts: the
             # second would find the first's prompts in vLLM's prefix cache
-            # (measured: a 0.75x A/A at batch 16).
+            # and measure the cache, not the engine.
             reset = getattr(engine, "reset_prefix_cache", None)
             if reset is not None:
                 reset()
