@@ -35,6 +35,8 @@ def tiny_llama(
     intermediate_size: int = 128,
     max_position_embeddings: int = 2048,
     seed: int = 0,
+    initializer_range: float = 0.2,
+    tie_word_embeddings: bool = False,
 ) -> str:
     """Write a tiny random Llama to ``path`` and return ``path`` as a string.
 
@@ -42,6 +44,11 @@ def tiny_llama(
     vLLM's attention backends support: 32, 64, 80, 96, 112, 128, ... on CPU.
     Same arguments and seed give the same weights; a folder already written
     with the same arguments is reused as is.
+
+    ``tie_word_embeddings`` with a small ``initializer_range`` (0.05) gives a
+    model that mostly repeats its last token and now and then switches: drafts
+    are accepted in runs and rejected at the switches, which an exactness test
+    needs (the default's noise output leaves n-gram methods nothing to draft).
     """
     import torch
     from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
@@ -55,6 +62,8 @@ def tiny_llama(
         "intermediate_size": intermediate_size,
         "max_position_embeddings": max_position_embeddings,
         "seed": seed,
+        "initializer_range": initializer_range,
+        "tie_word_embeddings": tie_word_embeddings,
     }
     marker = path / _MARKER
     if marker.is_file():
@@ -84,11 +93,11 @@ def tiny_llama(
         bos_token_id=base.bos_token_id,
         eos_token_id=base.eos_token_id,
         pad_token_id=base.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         dtype="float32",
     )
     # Random weights with a std large enough that logits are not all equal.
-    config.initializer_range = 0.2
+    config.initializer_range = initializer_range
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
