@@ -55,6 +55,7 @@ class PluginProposer:
             given = dict(getattr(spec, PLUGIN_OPTIONS_ATTR, None) or {})
             given.pop("method", None)
         self.options = resolve(type(self).__name__, self.OPTIONS, given)
+        self.check_options(type(self).__name__, self.options)
         self.max_draft = int(getattr(spec, "num_speculative_tokens", None)
                              or self.DEFAULT_NUM_SPECULATIVE_TOKENS)
         self.vocab_size = vocab_size
@@ -74,8 +75,10 @@ class PluginProposer:
 
     # ------------------------------------------------------------ vLLM route
     @classmethod
-    def validate_vllm_fields(cls, fields: dict) -> None:
-        """Checks of vLLM's own SpeculativeConfig keys (e.g. draft bounds)."""
+    def check_options(cls, where: str, options: dict) -> None:
+        """Rules between resolved options (each is already valid alone); a
+        ValueError names the options. Called at translation, before any
+        model loads, and again in the worker."""
 
     def load_model(self, target_model: Any) -> None:
         """Nothing to load: no draft model of our own. The target is never kept

@@ -80,6 +80,7 @@ def parse_inner(value: Any) -> tuple[str | None, dict]:
     cls = METHODS[name].proposer_class()
     where = f"{name}' (inner of '{_METHOD}"  # reads: method 'x' (inner of 'grammar_forced')
     resolved = resolve(where, cls.OPTIONS, opts)
+    cls.check_options(where, resolved)
     if resolved["draft_length"] != "fixed":
         from vllm_plugins.proposers.draft_length import policy_options
 

@@ -27,13 +27,16 @@ class AdaptiveNgramProposer(PluginProposer):
     DEFAULT_NUM_SPECULATIVE_TOKENS = 5
     CAN_REST = True   # a lookup in each request's context, no state
 
+    @classmethod
+    def check_options(cls, where: str, options: dict) -> None:
+        lo, hi = options["prompt_lookup_min"], options["prompt_lookup_max"]
+        if lo > hi:
+            raise ValueError(f"speculative_config option 'prompt_lookup_min' of method "
+                             f"'{where}' must be <= 'prompt_lookup_max' ({hi}), got {lo}")
+
     def __init__(self, vllm_config=None, options: dict | None = None,
                  vocab_size: int | None = None):
         super().__init__(vllm_config, options, vocab_size)
-        lo, hi = self.options["prompt_lookup_min"], self.options["prompt_lookup_max"]
-        if lo > hi:
-            raise ValueError(f"ngram_adaptive option prompt_lookup_min={lo} must be "
-                             f"<= prompt_lookup_max={hi}")
         # vllm.v1.spec_decode.ngram_proposer._find_longest_matched_ngram_and_propose_tokens
         # (origin_tokens, min_ngram, max_ngram, max_model_len, k) -> np.ndarray
         from vllm.v1.spec_decode.ngram_proposer import (

@@ -71,3 +71,14 @@ def test_version_gate_names_both_versions(version):
     with pytest.raises(RuntimeError, match=r">=0\.32,<0\.34") as err:
         check_vllm_version(version)
     assert version in str(err.value)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram_adaptive", "prompt_lookup_min": 6, "prompt_lookup_max": 3},
+    {"method": "grammar_forced",
+     "inner": {"method": "ngram_adaptive", "prompt_lookup_min": 6,
+               "prompt_lookup_max": 3}},
+])
+def test_rules_between_options_are_checked_before_a_model_loads(spec):
+    with pytest.raises(ValueError, match="'prompt_lookup_min' of method '.*ngram_adaptive"):
+        translate(spec)

@@ -108,6 +108,7 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
     ours = {k: v for k, v in user.items() if k not in vllm_fields or k in declared}
     rest = {k: v for k, v in user.items() if k not in ours}
     options = resolve(method.name, cls.OPTIONS, ours)
+    cls.check_options(method.name, options)
     if options["draft_length"] != "fixed":
         # Validated here, before any model loads; the worker builds it again.
         from vllm_plugins.proposers.draft_length import policy_options
@@ -126,5 +127,4 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
             f"per request), got {num!r}")
     rest["method"] = "custom_class"
     rest["model"] = method.class_path
-    cls.validate_vllm_fields(rest)
     return rest, options
