@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.test_grammar_proposer import SCHEMA, TEXT, so_params
+from tests.test_layer_skip import llama_like_model
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.grammar import GrammarProposer
 from vllm_plugins.registry import BY_CLASS_PATH, METHODS, PLUGIN_OPTIONS_ATTR, Method, translate
@@ -54,24 +55,6 @@ def fake_config(user: dict) -> SimpleNamespace:
 
 
 # ------------------------------------------------------------ a fake target
-class _Layer(torch.nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.self_attn = torch.nn.Linear(hidden, hidden, bias=False)
-        self.mlp = torch.nn.Linear(hidden, hidden, bias=False)
-        self.input_layernorm = self.post_attention_layernorm = torch.nn.Identity()
-
-
-def llama_like_model(num_layers: int = 12, hidden: int = 8) -> SimpleNamespace:
-    """The parts of a Llama-style vLLM model that ``load_model`` inspects."""
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList(_Layer(hidden) for _ in range(num_layers))
-    model.start_layer, model.end_layer = 0, num_layers
-    model.norm = SimpleNamespace(weight=torch.ones(hidden))
-    model.embed_input_ids = lambda ids: ids
-    return SimpleNamespace(model=model)
-
-
 class FakeTargetLayers:
     """``ctx.target`` for self-drafting methods: drafts and scores with a
     bigram table of the texts the requests write (the shape of

@@ -79,7 +79,8 @@ class _FakeLayer(torch.nn.Module):
         self.input_layernorm = self.post_attention_layernorm = torch.nn.Identity()
 
 
-def _fake_target(num_layers=12, hidden=8):
+def llama_like_model(num_layers: int = 12, hidden: int = 8) -> SimpleNamespace:
+    """The parts of a Llama-style vLLM model that ``load_model`` inspects."""
     inner = torch.nn.Module()
     inner.layers = torch.nn.ModuleList(_FakeLayer(hidden) for _ in range(num_layers))
     inner.start_layer, inner.end_layer = 0, num_layers
@@ -89,7 +90,7 @@ def _fake_target(num_layers=12, hidden=8):
 
 
 def test_self_drafting_needs_a_llama_style_model():
-    target = _fake_target()
+    target = llama_like_model()
     del target.model.layers[0].mlp
     with pytest.raises(ValueError, match="Llama-style"):
         DynamicExitProposer(options={"draft_vocab": 0}, vocab_size=32).load_model(target)
@@ -98,7 +99,7 @@ def test_self_drafting_needs_a_llama_style_model():
 def _del(**options):
     opts = {"draft_vocab": 0, **options}
     proposer = DynamicExitProposer(options=opts, vocab_size=32)
-    proposer.load_model(_fake_target())
+    proposer.load_model(llama_like_model())
     return proposer
 
 
@@ -210,7 +211,7 @@ def test_grammar_around_a_self_drafting_method_exposes_it_to_the_bridge():
     outer = GrammarProposer(options={"inner": {"method": "del", "draft_vocab": 0}},
                             vocab_size=32)
     assert outer.SELF_DRAFT
-    outer.load_model(_fake_target())
+    outer.load_model(llama_like_model())
     assert outer.aux_layers == (4, 6, 8, 10)
     assert not GrammarProposer(options={"inner": "token_recycling"},
                                vocab_size=32).SELF_DRAFT
