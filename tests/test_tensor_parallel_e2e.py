@@ -1,0 +1,146 @@
+"""Tensor parallel 2: every method exact, every rank drafting alike.
+
+vLLM's CPU build runs tensor parallel across processes (one core per rank
+here, VLLM_CPU_OMP_THREADS_BIND "0|1"). The target is a tiny random Llama
+with even head counts (SmolLM2-135M's 9 heads do not split in two); greedy
+equality with plain decoding at the same parallel size needs no trained
+model. Each rank's per-step digest (drafts, draft probabilities, token
+history, the seconds its decisions read: vllm_plugins.bridge.ranks) must
+match the other rank's, step for step.
+"""
+
+import os
+
+import pytest
+
+from tests.conftest import shutdown
+
+pytestmark = pytest.mark.slow
+
+TP = 2
+MAX_TOKENS = 32
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+]
+CHOICES = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota"]
+
+
+def grammar_method() -> str:
+    from vllm_plugins.registry import METHODS
+
+    return "grammar_forced" if "grammar_forced" in METHODS else "grammar"
+
+
+SPECS = {
+    # The random model's distributions are flat (its argmax still decides),
+    # so Token Recycling drafts below its default min_confidence: 0 here. The
+    # controller may rest a whole run when drafting does not pay on this
+    # CPU; resting off and warm-up steps all exploring, it drafts at every
+    # step, at lengths it draws (seeded) and then chooses from the seconds.
+    "token_recycling-goodput": {"method": "token_recycling",
+                                "num_speculative_tokens": 4,
+                                "min_confidence": 0.0,
+                                "draft_length": "goodput",
+                                "draft_length_options": {"rest": False,
+                                                         "warmup_explore": 1.0}},
+    "ngram_adaptive": {"method": "ngram_adaptive", "num_speculative_tokens": 4},
+    "stand": {"method": "stand", "num_speculative_tokens": 4},
+    # stop_below 0: a random model is rarely sure; every forward drafts.
+    "swift": {"method": "swift", "num_speculative_tokens": 3, "stop_below": 0.0},
+    # min_value 0: DEL drafts at every step, choosing among three exits by
+    # the seconds its draft forwards took.
+    "del": {"method": "del", "num_speculative_tokens": 3, "stop_below": 0.0,
+            "min_value": 0.0, "exit_layers": [1, 2, 3]},
+    "grammar-token_recycling": {"method": None,
+                                "inner": {"method": "token_recycling",
+                                          "min_confidence": 0.0},
+                                "num_speculative_tokens": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_tp_model(tmp_path_factory):
+    from tests.tiny_model import tiny_llama
+
+    # 4 query and 2 KV heads of size 32: two per rank, one KV head each.
+    # Tied, small weights: runs of repeated tokens, so every method drafts.
+    return tiny_llama(tmp_path_factory.mktemp("tp") / "tiny", num_layers=4,
+                      hidden_size=128, num_heads=4, num_kv_heads=2,
+                      intermediate_size=256, initializer_range=0.05,
+                      tie_word_embeddings=True)
+
+
+def tp_engine(model: str, spec: dict | None):
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(model=model, dtype="float32", tensor_parallel_size=TP,
+               distributed_executor_backend="mp", max_model_len=512,
+               max_num_seqs=4, enforce_eager=True, seed=0,
+               speculative_config=spec, kv_cache_memory_bytes=64 * 2**20,
+               use_tqdm_on_load=False)
+
+
+def greedy(structured=False):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(choice=CHOICES) if structured else None
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                          structured_outputs=so)
+
+
+def sampled():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=7)
+
+
+def tokens(llm, params):
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_tp_model):
+    """Plain decoding at the same tensor-parallel size, then shut down: one
+    engine at a time on two cores."""
+    llm = tp_engine(tiny_tp_model, None)
+    try:
+        out = {"greedy": tokens(llm, greedy()),
+               "structured": tokens(llm, greedy(structured=True))}
+    finally:
+        shutdown(llm)
+    return out
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_tensor_parallel_exact_and_rank_identical(name, tiny_tp_model, reference):
+    spec = dict(SPECS[name])
+    if spec["method"] is None:
+        spec["method"] = grammar_method()
+    llm = tp_engine(tiny_tp_model, spec)
+    try:
+        assert llm.collective_rpc("vllm_plugins_rank_digest") == [[]] * TP
+        assert tokens(llm, greedy()) == reference["greedy"]
+        if name.startswith("grammar"):
+            got = tokens(llm, greedy(structured=True))
+            assert got == reference["structured"]
+        if name == "stand":
+            tokens(llm, sampled())  # sampled drafts carry probabilities
+        digests = llm.collective_rpc("vllm_plugins_rank_digest")
+        stats = llm.collective_rpc("vllm_plugins_stats")
+    finally:
+        shutdown(llm)
+    assert len(digests) == TP and len(digests[0]) > MAX_TOKENS // 4
+    first_differing = next((i for i, (a, b) in enumerate(zip(*digests)) if a != b),
+                           None)
+    assert first_differing is None, f"ranks differ from step {first_differing}"
+    assert digests[0] == digests[1]
+    # The counters agree too; the proposers' metrics hold rank-local seconds.
+    assert stats[0]["drafted"] > 0, stats[0]
+    assert stats[0]["accepted"] > 0, stats[0]
+    assert stats[0] == stats[1] | {"proposer": stats[0]["proposer"]}
