@@ -183,6 +183,16 @@ class PluginProposer:
         return make_controller(name, self.options["draft_length_options"], self.max_draft)
 
 
+def verification_depends_on_token(sampling_params) -> bool:
+    """Whether vLLM verifies a draft of this request only up to the first
+    token its grammar rejects (SamplingParams.structured_outputs set: the
+    scheduler's ``update_draft_token_ids`` runs the structured-output
+    manager's ``validate_tokens``). Such drafts must go out without
+    probability rows: with one-hot rows vLLM's rejection sampling is exact
+    whatever chose the token (proposers/stand.py, rule 3)."""
+    return getattr(sampling_params, "structured_outputs", None) is not None
+
+
 def trim(drafts: Drafts, keep: list[int]) -> Drafts:
     tokens = [t[:k] for t, k in zip(drafts.tokens, keep)]
     probs = None

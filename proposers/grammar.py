@@ -37,9 +37,8 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import Option
-from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token
 from vllm_plugins.proposers.grammar_drafts import RequestGrammar
-from vllm_plugins.proposers.stand import verification_depends_on_token
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")

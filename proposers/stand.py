@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import Option, flag, integer, number, unit_float
-from vllm_plugins.proposers.base import PluginProposer, trim
+from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token, trim
 from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
@@ -69,15 +69,6 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 # Controllers whose choice for position j depends only on positions <= j
 # (see the module docstring, rule 2).
 PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
-
-
-def verification_depends_on_token(sampling_params) -> bool:
-    """Whether vLLM verifies a draft of this request only up to the first
-    token its grammar rejects (SamplingParams.structured_outputs set: the
-    scheduler's ``update_draft_token_ids`` runs the structured-output
-    manager's ``validate_tokens``). Such drafts must go out without
-    probability rows (module docstring, rule 3)."""
-    return getattr(sampling_params, "structured_outputs", None) is not None
 
 
 def draft_distribution(probs: np.ndarray, temperature: float, top_k: int = 0,

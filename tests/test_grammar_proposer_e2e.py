@@ -94,7 +94,7 @@ def reference(base, schemas):
 @pytest.fixture(scope="module", params=[
     {"method": "grammar_forced", "num_speculative_tokens": 6},
     {"method": "grammar_forced", "num_speculative_tokens": 6, "inner": "token_recycling"},
-    # An inner whose constructor the grammar proposer once could not call.
+    # An inner built with the constructor arguments every proposer takes.
     {"method": "grammar_forced", "num_speculative_tokens": 6, "inner": "ngram_adaptive"},
 ], ids=["grammar", "grammar+token_recycling", "grammar+ngram_adaptive"])
 def spec(request, model_path, reference):
