@@ -201,5 +201,8 @@ def trim(drafts: Drafts, keep: list[int]) -> Drafts:
     conf = None
     if drafts.confidence is not None:
         conf = [None if c is None else c[:k] for c, k in zip(drafts.confidence, keep)]
-    return Drafts(tokens, probs, conf)
+    parents = None
+    if drafts.parents is not None:  # a prefix of a tree is a tree
+        parents = [None if p is None else p[:k] for p, k in zip(drafts.parents, keep)]
+    return Drafts(tokens, probs, conf, parents)
 

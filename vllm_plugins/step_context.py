@@ -101,8 +101,16 @@ class Drafts:
     output exact for stochastic drafts. ``confidence`` optionally gives the
     proposer's estimate that each drafted token will be accepted, consumed by
     draft-length controllers.
+
+    ``parents`` optionally makes a request's draft a tree (vllm_plugins.tree):
+    ``parents[i]`` is the index of node i's parent among the request's drafted
+    nodes, or -1 for the root (the request's last committed token), with
+    ``parents[i] < i``. None, or None for a request, is a chain. Every prefix
+    of a tree is a tree, so cutting drafts to a prefix stays valid. A tree's
+    ``probs`` row i is the distribution node i was drawn from at its parent.
     """
 
     tokens: list[list[int]]
     probs: list[np.ndarray | None] | None = None
     confidence: list[np.ndarray | None] | None = None
+    parents: list[list[int] | None] | None = None
