@@ -376,3 +376,54 @@ def test_rank_digest_rpc_is_added():
 
     vllm_plugins.register()
     assert callable(WorkerBase.vllm_plugins_rank_digest)
+
+
+def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
+    # bridge/tree_step.py: the slot mapping comes from the standard positions
+    # inside _prepare_inputs; rewriting self.positions after it returns
+    # changes only what the model reads. Drafts are verified in the step
+    # right after they were proposed (no async scheduling for custom_class).
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert params(GPUModelRunner._prepare_inputs) == [
+        "self", "scheduler_output", "num_scheduled_tokens"]
+    src = inspect.getsource(GPUModelRunner._prepare_inputs)
+    at = src.index("self.positions[:total_num_scheduled_tokens] = (")
+    assert src.index("compute_slot_mapping(", at) > at
+    assert "self.positions[:total_num_scheduled_tokens]," in src[at:]
+    run = inspect.getsource(GPUModelRunner.execute_model)
+    assert run.index("self._prepare_inputs(") < run.index("self._model_forward(")
+    pre = inspect.getsource(GPUModelRunner._preprocess)
+    assert "positions = self.positions[:num_input_tokens]" in pre
+    assert "self.slot_mapping.gpu" in inspect.getsource(
+        __import__("vllm.v1.worker.block_table", fromlist=["_"]).BlockTable
+        .compute_slot_mapping)
+    names = {f.name for f in __import__("dataclasses").fields(SpecDecodeMetadata)}
+    assert {"num_draft_tokens", "logits_indices"} <= names
+    # Tree acceptance writes vLLM's output layout and processing.
+    from vllm.v1.sample import rejection_sampler
+
+    assert rejection_sampler.PLACEHOLDER_TOKEN_ID == -1
+    assert params(rejection_sampler.apply_sampling_constraints) == [
+        "logits", "cu_num_draft_tokens", "sampling_metadata"]
+    assert "self.kv_caches" in inspect.getsource(GPUModelRunner.initialize_kv_cache) \
+        or "self.kv_caches" in inspect.getsource(GPUModelRunner)
+
+
+def test_cpu_attention_forward_reads_a_cache_vllm_wrote():
+    # bridge/tree_step.py attend: the CPU backend writes K/V in
+    # do_kv_cache_update before forward (forward_includes_kv_cache_update
+    # False), in [num_blocks, kv_heads, block_size, 2 * head_size].
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackend, CPUAttentionBackendImpl)
+
+    assert CPUAttentionBackend.forward_includes_kv_cache_update is False
+    assert params(CPUAttentionBackendImpl.forward)[:8] == [
+        "self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output"]
+    src = inspect.getsource(CPUAttentionBackendImpl.forward)
+    assert "kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))" in src
+    assert "key_cache, value_cache = kv_cache.chunk(2, dim=2)" in src
+    for field in ("block_table", "seq_lens", "num_actual_tokens"):
+        assert field in CPUAttentionBackendImpl.forward.__code__.co_names or field in src
+

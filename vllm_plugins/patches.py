@@ -57,6 +57,18 @@ PATCHES: tuple[Patch, ...] = (
           "draft probabilities",
           _PINS + "test_runner_calls_drafter_after_bookkeeping_with_valid_tokens",
           runner.wrap_propose),
+    Patch("tree.depth_positions", _RUNNER + "._prepare_inputs",
+          "a step verifying tree drafts reads rotary positions by depth (the "
+          "slots stay vLLM's, by node index) and holds the step's ancestry "
+          "masks for attention",
+          _PINS + "test_prepare_inputs_computes_slots_before_the_forward_reads_positions",
+          runner.wrap_prepare_inputs),
+    Patch("tree.cpu_attention",
+          "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
+          "tree requests attend by ancestry (kernels.tree_attention) in a step "
+          "verifying tree drafts; chain requests keep vLLM's result",
+          _PINS + "test_cpu_attention_forward_reads_a_cache_vllm_wrote",
+          runner.wrap_cpu_attention),
     Patch("worker.stats", "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_stats",
           "collective_rpc target: step counters and proposer metrics",
           _PINS + "test_custom_class_route_and_worker_rpc",
@@ -103,6 +115,8 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.model_executor.models.llama:LlamaDecoderLayer.__init__",
     "vllm.model_executor.models.llama:LlamaModel.embed_input_ids",
     "vllm.distributed.parallel_state:get_tp_group",
+    "vllm.v1.sample.rejection_sampler:apply_sampling_constraints",
+    "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
     "vllm.distributed.parallel_state:GroupCoordinator.first_rank",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
 )

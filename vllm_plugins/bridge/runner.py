@@ -6,8 +6,11 @@ and does nothing else. Data flow inside one step of a runner that drafts
 with one of our proposers:
 
   execute_model           -> note the step's start (the cost model's clock)
+  _prepare_inputs         -> a tree step: rotary positions by depth, the
+                             ancestry masks for attention (tree_step.py)
   _sample                 -> take the target's top-k per verified row
-                             before vLLM samples (grammar masks applied)
+                             before vLLM samples (grammar masks applied);
+                             a tree step: accept paths, move their K/V
   propose_draft_token_ids -> build a StepContext keyed by request id and
                              call proposer.step(ctx) instead of vLLM's call
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 import functools
 import time
 
-from vllm_plugins.bridge import ranks, step
+import torch
+
+from vllm_plugins.bridge import ranks, step, tree_step
 from vllm_plugins.bridge.state import attach, state_of
 
 
@@ -40,8 +45,9 @@ def wrap_after_load(original):
         drafter = getattr(self, "drafter", None)
         if not is_ours(drafter):
             return original(self)
-        attach(self, drafter)
+        state = attach(self, drafter)
         ranks.join_tensor_parallel()
+        state.tree_refusal = tree_refusal(self)
         if getattr(drafter, "SELF_DRAFT", False):
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
             from vllm_plugins.self_draft import check_target
@@ -83,9 +89,74 @@ def wrap_execute_model(original):
         finished = getattr(scheduler_output, "finished_req_ids", None)
         if finished:
             state.finished.update(finished)
-        return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tree_step.ACTIVE = None  # the forward is over: attention is vLLM's again
 
     return execute_model
+
+
+def tree_refusal(runner) -> str | None:
+    """Why this runner cannot verify tree drafts (None: it can). A proposer
+    asked for trees (option ``draft_shape``) on such a runner is refused at
+    start-up; otherwise trees are cut to chains, step by step."""
+    from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+
+    why = None
+    if getattr(runner, "uses_mrope", False):
+        why = "tree drafts need plain rotary positions (this model uses M-RoPE)"
+    if why is None:
+        why = tree_step.tree_refusal(runner.get_model())
+    options = getattr(runner.vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR, None) or {}
+    if why is not None and options.get("draft_shape") == "tree":
+        raise ValueError(f"draft_shape='tree' cannot be served here: {why}; "
+                         "use draft_shape='chain'")
+    return why
+
+
+def wrap_prepare_inputs(original):
+    # GPUModelRunner._prepare_inputs(self, scheduler_output, num_scheduled_tokens)
+    # computes positions, then the slot mapping from them, into the tensors
+    # the forward reads (self.positions; the block table's slot_mapping).
+    @functools.wraps(original)
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = original(self, scheduler_output, num_scheduled_tokens)
+        state = state_of(self)
+        if state is None or not state.trees:
+            return out
+        batch = self.input_batch
+        total = int(scheduler_output.total_num_scheduled_tokens)
+        plan = tree_step.plan(
+            state.trees, batch.req_ids, num_scheduled_tokens,
+            batch.num_computed_tokens_cpu,
+            scheduler_output.scheduled_spec_decode_tokens,
+            batch.block_table[0].slot_mapping.gpu[:total].cpu().numpy())
+        state.tree_step = plan
+        if plan is not None:
+            tree_step.depth_positions(plan, self.positions)
+            tree_step.ACTIVE = plan
+        return out
+
+    return _prepare_inputs
+
+
+def wrap_cpu_attention(original):
+    # CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
+    #     attn_metadata, output, ...): vLLM's result first, then tree
+    # requests' rows again with their ancestry masks.
+    @functools.wraps(original)
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                *args, **kwargs):
+        result = original(self, layer, query, key, value, kv_cache, attn_metadata,
+                          output, *args, **kwargs)
+        plan = tree_step.ACTIVE
+        if plan is None or attn_metadata is None or self.attn_type != "decoder":
+            return result
+        tree_step.attend(plan, self, query, kv_cache, attn_metadata, output)
+        return result
+
+    return forward
 
 
 def wrap_sample(original):
@@ -96,6 +167,9 @@ def wrap_sample(original):
         if state is None or state.proposer is None or logits is None:
             return original(self, logits, spec_decode_metadata)
         step.stash_topk(state, logits, spec_decode_metadata)
+        plan, state.tree_step = state.tree_step, None
+        if plan is not None and spec_decode_metadata is not None:
+            return tree_sample(self, original, plan, logits, spec_decode_metadata)
         if step.verifies_nothing(spec_decode_metadata):
             # With speculation on, vLLM sends every step through the
             # rejection sampler, drafts or none. A step without drafts has
@@ -106,6 +180,30 @@ def wrap_sample(original):
         return original(self, logits, spec_decode_metadata)
 
     return _sample
+
+
+def tree_sample(runner, original, plan, logits, spec_decode_metadata):
+    """vLLM samples every request (chains exactly as without trees); tree
+    requests' rows are then replaced by tree acceptance, and their accepted
+    K/V moved to the slots chain decoding uses."""
+    num_draft = list(spec_decode_metadata.num_draft_tokens)
+    starts = tree_step.request_rows(plan, num_draft)
+    index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
+                       for s, r in zip(starts, plan.requests)]).to(logits.device)
+    tree_logits = logits.index_select(0, index).float()
+    out = original(runner, logits, spec_decode_metadata)
+    params = [getattr(runner.requests.get(r.req_id), "sampling_params", None)
+              for r in plan.requests]
+    results = tree_step.accept(plan, params, tree_logits, num_draft,
+                               runner.input_batch.sampling_metadata)
+    tree_step.write_output(out.sampled_token_ids, plan, results)
+    src, dst = [], []
+    for r, a in zip(plan.requests, results):
+        s, d = tree_step.kv_moves(r, a.nodes)
+        src += s
+        dst += d
+    tree_step.move_accepted_kv(runner.kv_caches, src, dst)
+    return out
 
 
 def wrap_propose(original):

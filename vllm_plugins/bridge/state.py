@@ -72,6 +72,12 @@ class RunnerState:
     topk: TopkStash | None = None
     # ranks.RankDigest once a test asks for per-step digests (opt-in).
     digest: object = None
+    # Tree drafts (bridge/tree_step.py): the trees handed to vLLM by request
+    # id, the step verifying some of them (from _prepare_inputs to _sample),
+    # and why this runner cannot verify trees (None when it can).
+    trees: dict = field(default_factory=dict)
+    tree_step: object = None
+    tree_refusal: str | None = None
 
 
 def state_of(runner) -> RunnerState | None:

@@ -203,6 +203,22 @@ def set_draft_probs(runner, drafts: Drafts, tokens: list[list[int]]) -> None:
     runner._draft_prob_req_ids = list(runner.input_batch.req_ids)
 
 
+def record_trees(runner, state: RunnerState, ctx: StepContext, drafts: Drafts):
+    """The token lists (and probability rows) vLLM gets: trees are kept for
+    the next step's verification (bridge/tree_step.py), or cut to their
+    chain prefix where this runner or the request cannot take a tree."""
+    from vllm_plugins.bridge.tree_step import record_drafts
+
+    for req_id in ctx.finished:
+        state.trees.pop(req_id, None)
+    params = {r.req_id: r.sampling_params for r in ctx.requests}
+    # One KV cache group: the tree step reads one slot mapping.
+    groups = getattr(getattr(runner.input_batch, "block_table", None), "block_tables", ())
+    capable = state.tree_refusal is None and len(groups) == 1
+    return record_drafts(state.trees, [r.req_id for r in ctx.requests], drafts,
+                         params.get, capable)
+
+
 def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
             common_attn_metadata=None, aux_hidden_states=None) -> list[list[int]]:
     """Our proposer's drafts for this step, in batch order."""
@@ -213,8 +229,8 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     start = time.perf_counter()
     drafts: Drafts = proposer.step(ctx)
     state.propose_seconds = time.perf_counter() - start
-    tokens = [list(map(int, t)) for t in drafts.tokens]
-    set_draft_probs(runner, drafts, tokens)
+    tokens, probs = record_trees(runner, state, ctx, drafts)
+    set_draft_probs(runner, Drafts(tokens, probs), tokens)
     if state.digest is not None:
         state.digest.add(ctx, tokens, drafts.probs)
     return tokens

@@ -1,0 +1,412 @@
+"""Tree verification inside vLLM's V1 runner: one target forward checks
+every request's draft tree.
+
+vLLM schedules and verifies drafts as chains. A proposer that returns a
+tree (``Drafts.parents``) hands vLLM its nodes as ordinary draft tokens in
+topological order; the scheduler may cut a prefix, which is still a tree.
+The next step (speculation through ``custom_class`` runs without async
+scheduling, so drafts are verified in the very next step) is a tree step for
+each request whose scheduled drafts are a prefix of the tree we recorded:
+
+1. ``plan`` (after vLLM's ``_prepare_inputs``): vLLM's slots stay by node
+   index (its slot mapping from positions ``num_computed + i`` already gives
+   every node a slot of its own); the rotary positions the model reads are
+   rewritten to ``num_computed + depth`` (the root, the request's last
+   committed token, at depth 0). ``ACTIVE`` then holds the step's ancestry
+   masks for the attention wrapper until the forward returns.
+2. ``attend`` (after vLLM's attention of each layer): the rows of tree
+   requests are recomputed with ``kernels.tree_attention`` (each node sees
+   the committed prefix, its ancestors and itself); chain requests keep
+   vLLM's own result. vLLM already wrote every node's K/V at its slot.
+3. ``accept`` (after vLLM's sampler): a tree request's row of the sampler's
+   output is replaced by the tree's accepted path plus one token
+   (``vllm_plugins.tree.acceptance``), then the accepted nodes' K/V move
+   into the slots a chain would have used (``kernels.kv_move``), so the
+   scheduler's computed-token count, the cache contents and the prefix
+   cache's block hashes (of token ids) are plain decoding's.
+
+Requests the tree path cannot serve take chains (``tree_allowed``): the
+bridge cuts their draft to its longest chain prefix before vLLM sees it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm_plugins.tree.draft import ancestor_mask, depths, validate
+
+logger = logging.getLogger(__name__)
+
+# vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID: the padding of the
+# rejection sampler's [requests, max_spec_len + 1] output.
+PLACEHOLDER_TOKEN_ID = -1
+# vllm.v1.sample.sampler: temperatures below this are greedy.
+_SAMPLING_EPS = 1e-5
+
+
+# ------------------------------------------------------------ which requests
+
+def tree_allowed(sampling_params) -> bool:
+    """Whether a request may be verified as a tree: no feature whose
+    sampler path the tree acceptance does not reproduce (logprobs,
+    penalties, bad words, structured outputs, logits processors and biases,
+    min_tokens, min_p, allowed tokens). Proposers call it before building a
+    tree; the bridge enforces it by cutting other requests' trees to a chain.
+    """
+    p = sampling_params
+    if p is None:
+        return True
+    return not (
+        getattr(p, "logprobs", None) is not None
+        or getattr(p, "prompt_logprobs", None) is not None
+        or getattr(p, "presence_penalty", 0.0) != 0.0
+        or getattr(p, "frequency_penalty", 0.0) != 0.0
+        or getattr(p, "repetition_penalty", 1.0) != 1.0
+        or getattr(p, "bad_words", None)
+        or getattr(p, "structured_outputs", None) is not None
+        or getattr(p, "logit_bias", None)
+        or getattr(p, "allowed_token_ids", None)
+        or getattr(p, "min_tokens", 0)
+        or getattr(p, "min_p", 0.0) > 0.0
+        or getattr(p, "extra_args", None)
+        or getattr(p, "thinking_token_budget", None) is not None
+    )
+
+
+def is_greedy(sampling_params) -> bool:
+    return float(getattr(sampling_params, "temperature", 0.0) or 0.0) < _SAMPLING_EPS
+
+
+def chain_length(parents) -> int:
+    """How many leading nodes form a chain from the root."""
+    n = 0
+    for i, p in enumerate(parents):
+        if int(p) != i - 1:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class ProposedTree:
+    """What the bridge handed vLLM for one request: a tree's nodes (and
+    the proposer's probability rows, one per node, or None)."""
+
+    tokens: list[int]
+    parents: list[int]
+    probs: np.ndarray | None
+
+
+def record_drafts(trees: dict, req_ids, drafts, params_of, capable: bool
+                  ) -> tuple[list[list[int]], list | None]:
+    """The drafts vLLM gets, and each tree request's tree into ``trees``.
+
+    A request whose tree the step cannot verify (``tree_allowed`` false, or
+    a runner that cannot serve trees) keeps its longest chain prefix: as a
+    chain vLLM verifies it exactly, probability rows included (each chain
+    node was drawn at its predecessor)."""
+    tokens = [list(map(int, t)) for t in drafts.tokens]
+    probs = list(drafts.probs) if drafts.probs is not None else None
+    parents_all = getattr(drafts, "parents", None)
+    for i, req_id in enumerate(req_ids):
+        parents = parents_all[i] if parents_all is not None and i < len(parents_all) else None
+        trees.pop(req_id, None)
+        if parents is None or i >= len(tokens):
+            continue
+        parents = [int(p) for p in parents[:len(tokens[i])]]
+        keep = chain_length(parents)
+        if keep == len(parents):
+            continue  # a chain: vLLM's own verification
+        if capable and tree_allowed(params_of(req_id)) and _valid(req_id, parents):
+            p = probs[i] if probs is not None else None
+            trees[req_id] = ProposedTree(tokens[i], parents,
+                                         None if p is None else np.asarray(p))
+            continue
+        tokens[i] = tokens[i][:keep]
+        if probs is not None and probs[i] is not None:
+            probs[i] = probs[i][:keep]
+    return tokens, probs
+
+
+def _valid(req_id, parents) -> bool:
+    try:
+        validate(parents)
+        return True
+    except ValueError:
+        logger.warning("request %s: a draft tree with bad parents goes out as its "
+                       "chain prefix", req_id, exc_info=True)
+        return False
+
+
+# ---------------------------------------------------------------- the plan
+
+@dataclass
+class TreeRequest:
+    batch_index: int
+    req_id: str
+    tokens: list[int]
+    parents: list[int]
+    probs: np.ndarray | None
+    num_computed: int
+    query_start: int  # the request's first token row in the step
+    slots: np.ndarray  # KV slot of each of its step tokens (root first)
+
+
+@dataclass
+class TreeStep:
+    """One step's tree requests, and what attention needs of them."""
+
+    requests: list[TreeRequest]
+    token_index: torch.Tensor  # step token rows of tree requests, int64
+    req_index: torch.Tensor  # their batch indices, int64
+    query_start_loc: torch.Tensor  # over tree requests only, int32
+    mask: torch.Tensor  # [tree tokens, max query len] bool
+    num_tokens: int  # tokens of the whole step (attention's sanity check)
+
+
+# The step being run: set by the runner's _prepare_inputs wrapper, cleared
+# when execute_model returns; read by the attention wrapper.
+ACTIVE: TreeStep | None = None
+
+
+def step_mask(parents_list, query_lens) -> torch.Tensor:
+    """bool [sum(query_lens), max(query_lens)]: row t says which of its own
+    request's step tokens token t may see. A request with parents None is
+    causal (a chain, or a prompt chunk); a tree request's query is its root
+    and its nodes."""
+    total = int(sum(query_lens))
+    width = int(max(query_lens)) if len(query_lens) else 0
+    mask = torch.zeros(total, width, dtype=torch.bool)
+    start = 0
+    for parents, q in zip(parents_list, query_lens):
+        q = int(q)
+        if parents is None:
+            mask[start:start + q, :q] = torch.ones(q, q, dtype=torch.bool).tril_()
+        else:
+            if len(parents) + 1 != q:
+                raise ValueError(f"a tree of {len(parents)} nodes needs {len(parents) + 1} "
+                                 f"query tokens, got {q}")
+            mask[start:start + q, :q] = ancestor_mask(parents)
+        start += q
+    return mask
+
+
+def plan(trees: dict, req_ids, num_scheduled, num_computed, scheduled_drafts,
+         slot_mapping) -> TreeStep | None:
+    """The step's tree requests: those whose scheduled drafts (vLLM's
+    ``scheduled_spec_decode_tokens``) are a prefix of a recorded tree and
+    that are not a chain after the scheduler's cut."""
+    out = []
+    start = 0
+    total = int(sum(int(n) for n in num_scheduled))
+    for b, req_id in enumerate(req_ids):
+        q = int(num_scheduled[b])
+        tree = trees.get(req_id)
+        drafts = scheduled_drafts.get(req_id) if tree is not None else None
+        if drafts and q == len(drafts) + 1:
+            n = len(drafts)
+            if (n <= len(tree.tokens) and list(map(int, drafts)) == tree.tokens[:n]
+                    and chain_length(tree.parents[:n]) < n):
+                out.append(TreeRequest(
+                    batch_index=b, req_id=req_id, tokens=tree.tokens[:n],
+                    parents=tree.parents[:n],
+                    probs=None if tree.probs is None else tree.probs[:n],
+                    num_computed=int(num_computed[b]), query_start=start,
+                    slots=np.asarray(slot_mapping[start:start + q], dtype=np.int64)))
+        start += q
+    if not out:
+        return None
+    rows = np.concatenate([np.arange(r.query_start, r.query_start + len(r.tokens) + 1)
+                           for r in out])
+    lens = [len(r.tokens) + 1 for r in out]
+    qsl = np.zeros(len(out) + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(lens)
+    return TreeStep(
+        requests=out,
+        token_index=torch.from_numpy(rows.astype(np.int64)),
+        req_index=torch.tensor([r.batch_index for r in out], dtype=torch.int64),
+        query_start_loc=torch.from_numpy(qsl),
+        mask=step_mask([r.parents for r in out], lens),
+        num_tokens=total,
+    )
+
+
+def depth_positions(step: TreeStep, positions: torch.Tensor) -> None:
+    """Rotary positions by depth: token k of a tree request (0 the root,
+    i + 1 node i) reads position num_computed + depth (root 0)."""
+    rows, values = [], []
+    for r in step.requests:
+        d = [0] + depths(r.parents)
+        rows.extend(range(r.query_start, r.query_start + len(d)))
+        values.extend(r.num_computed + x for x in d)
+    idx = torch.tensor(rows, dtype=torch.int64, device=positions.device)
+    positions[idx] = torch.tensor(values, dtype=positions.dtype, device=positions.device)
+
+
+# --------------------------------------------------------------- attention
+
+def cpu_logical_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU cache [num_blocks, kv_heads, block_size, 2 * head_size]
+    as key and value views [num_blocks, block_size, kv_heads, head_size]."""
+    num_blocks, heads, block_size, _ = kv_cache.shape
+    key, value = kv_cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+    return key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
+
+
+def attend(step: TreeStep, impl, query: torch.Tensor, kv_cache: torch.Tensor,
+           attn_metadata, output: torch.Tensor) -> None:
+    """Tree requests' attention rows, recomputed with the ancestry mask over
+    the paged cache vLLM just wrote (query, output: [tokens, heads, head])."""
+    from vllm_plugins.kernels.tree_attention import tree_attention
+
+    if attn_metadata.num_actual_tokens != step.num_tokens:
+        raise RuntimeError(f"tree step planned for {step.num_tokens} tokens, attention "
+                           f"runs {attn_metadata.num_actual_tokens}")
+    key_cache, value_cache = cpu_logical_caches(kv_cache)
+    idx = step.token_index.to(query.device)
+    req = step.req_index.to(attn_metadata.block_table.device)
+    result = tree_attention(
+        query.index_select(0, idx), key_cache, value_cache,
+        attn_metadata.block_table.index_select(0, req),
+        attn_metadata.seq_lens.index_select(0, req.to(attn_metadata.seq_lens.device)),
+        step.query_start_loc, step.mask, impl.scale)
+    output.index_copy_(0, idx.to(output.device), result.to(output.dtype))
+
+
+def unsupported_attention(impl) -> str | None:
+    """Why an attention layer cannot serve tree steps, or None."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    if not isinstance(impl, CPUAttentionBackendImpl):
+        return (f"tree drafts are verified on vLLM's CPU attention backend only; this "
+                f"engine attends with {type(impl).__name__}")
+    if getattr(impl, "attn_type", "decoder") != "decoder":
+        return None  # encoder layers never see drafts
+    if impl.sliding_window not in (-1, None) or impl.alibi_slopes is not None \
+            or impl.logits_soft_cap or impl.sinks is not None:
+        return "tree drafts need plain attention (no sliding window, ALiBi, soft cap or sinks)"
+    if impl.kv_cache_dtype not in ("auto", None):
+        return f"tree drafts need an unquantised KV cache (kv_cache_dtype={impl.kv_cache_dtype})"
+    return None
+
+
+def tree_refusal(model) -> str | None:
+    """Why this runner's model cannot serve tree steps, or None."""
+    for module in model.modules():
+        impl = getattr(module, "impl", None)
+        if impl is not None and hasattr(impl, "do_kv_cache_update"):
+            why = unsupported_attention(impl)
+            if why:
+                return why
+    return None
+
+
+# -------------------------------------------------------------- acceptance
+
+def request_rows(step: TreeStep, num_draft) -> list[int]:
+    """First logits row of each tree request: vLLM's sampler input holds
+    num_draft + 1 rows per request in batch order."""
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(num_draft, dtype=np.int64) + 1)])
+    out = []
+    for r in step.requests:
+        if int(num_draft[r.batch_index]) != len(r.tokens):
+            raise RuntimeError(f"request {r.req_id}: vLLM verifies "
+                               f"{int(num_draft[r.batch_index])} drafts, the tree has "
+                               f"{len(r.tokens)} nodes")
+        out.append(int(offsets[r.batch_index]))
+    return out
+
+
+def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
+           sampling_metadata) -> list:
+    """Each tree request's accepted path and emitted tokens
+    (``vllm_plugins.tree.acceptance.TreeAcceptance``), in ``step`` order.
+
+    ``tree_logits``: the target's rows of the tree requests only, packed
+    (root row, then one per node), taken before vLLM's sampler ran. Greedy
+    requests take the argmax, as vLLM's greedy sampler does on requests
+    without logits processors (``tree_allowed``); sampled ones sample from
+    vLLM's own processing of those rows (temperature, top-k, top-p:
+    ``apply_sampling_constraints``), each seeded request with its own
+    generator (``sampling_metadata.generators``, keyed by batch index)."""
+    from vllm_plugins.tree import acceptance
+
+    reqs = step.requests
+    starts = acceptance.row_starts([r.tokens for r in reqs])
+    out: list = [None] * len(reqs)
+    greedy = [i for i, p in enumerate(params) if is_greedy(p)]
+    sampled = [i for i in range(len(reqs)) if i not in set(greedy)]
+
+    def rows(i):
+        return tree_logits[starts[i]:starts[i] + len(reqs[i].tokens) + 1]
+
+    if greedy:
+        got = acceptance.greedy_accept(
+            [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy],
+            torch.cat([rows(i).argmax(dim=-1) for i in greedy]))
+        for i, a in zip(greedy, got):
+            out[i] = a
+    if sampled:
+        from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+        # vLLM's processing expands per-request parameters over rows with
+        # cumulative counts in batch order: ours, 0 for every other request.
+        counts = np.zeros(len(num_draft_all), dtype=np.int64)
+        for i in sampled:
+            counts[reqs[i].batch_index] = len(reqs[i].tokens) + 1
+        device = tree_logits.device
+        packed = torch.cat([rows(i) for i in sampled]).to(torch.float32).clone()
+        processed = apply_sampling_constraints(
+            packed, torch.from_numpy(np.cumsum(counts)).to(torch.int32).to(device),
+            sampling_metadata)
+        probs = torch.softmax(processed, dim=-1)
+        generators = sampling_metadata.generators or {}
+        got = acceptance.sample_accept_with_probs(
+            [reqs[i].parents for i in sampled], [reqs[i].tokens for i in sampled], probs,
+            [reqs[i].probs for i in sampled],
+            [generators.get(reqs[i].batch_index) for i in sampled])
+        for i, a in zip(sampled, got):
+            out[i] = a
+    return out
+
+
+def write_output(sampled_token_ids: torch.Tensor, step: TreeStep, results) -> None:
+    """Tree requests' rows of vLLM's [requests, max_spec_len + 1] output:
+    the emitted tokens, then padding."""
+    for r, a in zip(step.requests, results):
+        row = torch.full((sampled_token_ids.shape[1],), PLACEHOLDER_TOKEN_ID,
+                         dtype=sampled_token_ids.dtype)
+        row[:len(a.tokens)] = torch.tensor(a.tokens, dtype=sampled_token_ids.dtype)
+        sampled_token_ids[r.batch_index] = row.to(sampled_token_ids.device)
+
+
+def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
+    """(source, destination) slots that put the accepted path where a chain
+    puts it: node path[j] (step token 1 + path[j]) -> step token j + 1."""
+    src, dst = [], []
+    for j, node in enumerate(path):
+        if int(node) != j:
+            src.append(int(request.slots[1 + int(node)]))
+            dst.append(int(request.slots[1 + j]))
+    return src, dst
+
+
+def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
+    """Every attention layer's K/V from src slots to dst slots (CPU layout)."""
+    from vllm_plugins.kernels.kv_move import move_kv
+
+    if not src:
+        return
+    seen = set()
+    for cache in kv_caches:
+        if cache is None or cache.data_ptr() in seen:
+            continue  # layers sharing one cache move it once
+        seen.add(cache.data_ptr())
+        key, value = cpu_logical_caches(cache)
+        s = torch.tensor(src, dtype=torch.int64, device=cache.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=cache.device)
+        move_kv(key, value, s, d)
