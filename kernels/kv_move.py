@@ -1,0 +1,110 @@
+"""Move the accepted path's K/V from node slots into chain slots.
+
+A tree step writes node ``i``'s K/V at the slot of position ``committed + i``;
+after acceptance the path's nodes must sit where chain decoding would have
+put them (positions ``committed, committed + 1, ...``), so the cache is what
+plain decoding leaves. A destination can be another path node's source
+(nodes 0, 2, 5 move to positions 0, 1, 2: position 2 is node 2's source), so
+every source is read before any destination is written.
+
+Slots are ``block * block_size + offset`` in one layer's
+``[num_blocks, block_size, kv_heads, head_size]`` caches (any strides), all
+non-negative; destinations are distinct.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_plugins.kernels.triton_support import jit, next_power_of_2, triton, triton_usable
+
+if triton is not None:
+    import triton.language as tl
+else:
+    tl = None
+
+
+def _check(key_cache, value_cache, src_slots, dst_slots) -> None:
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
+                         f"kv_heads, head_size], got {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    if src_slots.shape != dst_slots.shape or src_slots.dim() != 1:
+        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got "
+                         f"{tuple(src_slots.shape)} and {tuple(dst_slots.shape)}")
+
+
+def move_kv_torch(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                  src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """The CPU path: gather every source row (a copy), then write them all."""
+    _check(key_cache, value_cache, src_slots, dst_slots)
+    if src_slots.numel() == 0:
+        return
+    block_size = key_cache.shape[1]
+    src = src_slots.long()
+    dst = dst_slots.long()
+    src_block, src_offset = src // block_size, src % block_size
+    dst_block, dst_offset = dst // block_size, dst % block_size
+    for cache in (key_cache, value_cache):
+        rows = cache[src_block, src_offset]  # advanced indexing copies
+        cache[dst_block, dst_offset] = rows
+
+
+def _move_rows_kernel_fn(
+    src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_index_ptr, dst_index_ptr,
+    src_block_size, dst_block_size,
+    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    d_kb, d_ko, d_kh, d_kd, d_vb, d_vo, d_vh, d_vd,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    """One program per (row, kv head): copy one head's key and value row from
+    ``src[src_index[row]]`` to ``dst[dst_index[row]]``; both sides are paged
+    ``[blocks, block_size, heads, head_size]`` tensors (a staging buffer is
+    one with block size 1)."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    src = tl.load(src_index_ptr + row).to(tl.int64)
+    dst = tl.load(dst_index_ptr + row).to(tl.int64)
+    sb, so = src // src_block_size, src % src_block_size
+    db, do = dst // dst_block_size, dst % dst_block_size
+    k = tl.load(src_k_ptr + sb * s_kb + so * s_ko + head * s_kh + d * s_kd, mask=d_ok)
+    v = tl.load(src_v_ptr + sb * s_vb + so * s_vo + head * s_vh + d * s_vd, mask=d_ok)
+    tl.store(dst_k_ptr + db * d_kb + do * d_ko + head * d_kh + d * d_kd, k, mask=d_ok)
+    tl.store(dst_v_ptr + db * d_vb + do * d_vo + head * d_vh + d * d_vd, v, mask=d_ok)
+
+
+_move_rows_kernel = jit(_move_rows_kernel_fn)
+
+
+def move_kv_triton(key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Two launches of one copy kernel on the same stream: sources into a
+    staging buffer, then the buffer into the destinations, so no program can
+    overwrite a source another has not read yet."""
+    _check(key_cache, value_cache, src_slots, dst_slots)
+    count = src_slots.numel()
+    if count == 0:
+        return
+    _, block_size, num_kv_heads, head_size = key_cache.shape
+    staged_k = key_cache.new_empty(count, 1, num_kv_heads, head_size)
+    staged_v = value_cache.new_empty(count, 1, num_kv_heads, head_size)
+    rows = torch.arange(count, dtype=torch.int32, device=src_slots.device)
+    head_pad = next_power_of_2(head_size)
+    for src_k, src_v, dst_k, dst_v, src_index, dst_index, src_bs, dst_bs in (
+            (key_cache, value_cache, staged_k, staged_v, src_slots, rows, block_size, 1),
+            (staged_k, staged_v, key_cache, value_cache, rows, dst_slots, 1, block_size)):
+        _move_rows_kernel[(count, num_kv_heads)](
+            src_k, src_v, dst_k, dst_v, src_index, dst_index, src_bs, dst_bs,
+            *src_k.stride(), *src_v.stride(), *dst_k.stride(), *dst_v.stride(),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        )
+
+
+def move_kv(key_cache: torch.Tensor, value_cache: torch.Tensor,
+            src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """The Triton kernel for CUDA caches when Triton is installed, else the
+    torch twin."""
+    fn = move_kv_triton if key_cache.is_cuda and triton_usable(key_cache) else move_kv_torch
+    fn(key_cache, value_cache, src_slots, dst_slots)

@@ -1,0 +1,244 @@
+"""Paged attention for one step's draft-tree tokens.
+
+vLLM's attention backends know two shapes of a step: causal (a chain) or
+none. A tree step needs each token to see its request's committed prefix,
+its ancestors among the step's tokens and itself. This module computes
+exactly that over vLLM's paged KV cache, in the logical layout
+``[num_blocks, block_size, num_kv_heads, head_size]`` with any strides (the
+CUDA flash layout's halves, or the CPU backend's head-major cache seen
+through a permuted view).
+
+Per request ``b`` the step's tokens are ``query[query_start_loc[b]:
+query_start_loc[b + 1]]`` and their K/V already sit in the cache at the
+positions ``seq_lens[b] - query_len .. seq_lens[b] - 1``, in node order.
+Row ``t`` of ``tree_mask`` says which of those step positions token ``t``
+may see; every committed position is always visible.
+
+``tree_attention_torch`` is the CPU path and the reference for the Triton
+kernel; ``tree_attention`` picks the kernel on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_plugins.kernels.triton_support import jit, next_power_of_2, triton, triton_usable
+
+if triton is not None:
+    import triton.language as tl
+else:
+    tl = None
+
+
+def check_inputs(query, key_cache, value_cache, block_table, seq_lens,
+                 query_start_loc, tree_mask, out) -> None:
+    """One ValueError naming the argument whose shape does not fit."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [tokens, heads, head_size], got {tuple(query.shape)}")
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
+                         f"kv_heads, head_size], got {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_size:
+        raise ValueError(f"key_cache head_size {key_cache.shape[3]} != query's {head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"query heads {num_heads} are not a multiple of kv heads {num_kv_heads}")
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] != num_reqs:
+        raise ValueError(f"query_start_loc must hold {num_reqs + 1} entries and block_table "
+                         f"{num_reqs} rows, got {query_start_loc.shape[0]} and "
+                         f"{block_table.shape[0]}")
+    if tree_mask.dim() != 2 or tree_mask.shape[0] < query.shape[0]:
+        raise ValueError(f"tree_mask must be [tokens >= {query.shape[0]}, max_query_len], "
+                         f"got {tuple(tree_mask.shape)}")
+    if tree_mask.dtype != torch.bool:
+        raise ValueError(f"tree_mask must be bool, got {tree_mask.dtype}")
+    if out is not None and out.shape != query.shape:
+        raise ValueError(f"out must have query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+
+
+def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                         tree_mask: torch.Tensor, scale: float,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """The CPU path: per request, gather its K/V once from whole blocks, one
+    masked softmax in float32 over [kv_heads, group * query_len, seq_len].
+    Token rows outside every request are left as they are in ``out`` (zero
+    when ``out`` is None)."""
+    check_inputs(query, key_cache, value_cache, block_table, seq_lens,
+                 query_start_loc, tree_mask, out)
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for b, seq_len in enumerate(lengths):
+        q0, q1 = starts[b], starts[b + 1]
+        query_len = q1 - q0
+        if query_len <= 0:
+            continue
+        committed = seq_len - query_len
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_table[b, :num_blocks].long()
+        # [seq_len, kv_heads, head_size] -> [kv_heads, seq_len, head_size]
+        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+        values = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+        keys = keys.transpose(0, 1).float()
+        values = values.transpose(0, 1).float()
+        # [query_len, heads, D] -> [kv_heads, group * query_len, D]; head h = kv * group + g
+        q = query[q0:q1].float().view(query_len, num_kv_heads, group, head_size)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_size)
+        scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
+        hidden = torch.zeros(query_len, seq_len, dtype=torch.bool)
+        hidden[:, committed:] = ~tree_mask[q0:q1, :query_len].to("cpu")
+        scores = scores.view(num_kv_heads, group, query_len, seq_len)
+        scores.masked_fill_(hidden.to(scores.device), float("-inf"))
+        probs = torch.softmax(scores.view(num_kv_heads, group * query_len, seq_len), dim=-1)
+        result = torch.bmm(probs, values).view(num_kv_heads, group, query_len, head_size)
+        out[q0:q1] = result.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size)
+    return out
+
+
+def _tree_attention_kernel_fn(
+    out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, mask_ptr,
+    scale, block_size,
+    stride_qt, stride_qh, stride_qd,
+    stride_ot, stride_oh, stride_od,
+    stride_kb, stride_ko, stride_kh, stride_kd,
+    stride_vb, stride_vo, stride_vh, stride_vd,
+    stride_bt, stride_mt, stride_mj,
+    GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One program per (request, block of BLOCK_Q step tokens, kv head): its
+    BLOCK_M rows are those tokens times the kv head's GROUP query heads, so
+    every K/V tile is loaded once for all of them. Online softmax in float32
+    over the request's positions in tiles of TILE, each position's block looked
+    up in the block table (any cache block size)."""
+    req = tl.program_id(0)
+    q_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    query_len = tl.load(query_start_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q < query_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        committed = seq_len - query_len
+
+        rows = tl.arange(0, BLOCK_M)
+        q_local = q_block * BLOCK_Q + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (q_local < query_len)
+        token = q_start + q_local
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_SIZE
+
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                    + d[None, :] * stride_qd,
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+
+        for tile_start in range(0, seq_len, TILE):
+            pos = tile_start + tl.arange(0, TILE)
+            pos_ok = pos < seq_len
+            block = tl.load(block_table_ptr + req * stride_bt + pos // block_size,
+                            mask=pos_ok, other=0).to(tl.int64)
+            offset = pos % block_size
+            k = tl.load(k_ptr + block[None, :] * stride_kb + offset[None, :] * stride_ko
+                        + kv_head * stride_kh + d[:, None] * stride_kd,
+                        mask=pos_ok[None, :] & d_ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, k, input_precision="ieee")
+            else:
+                s = tl.dot(q, k)
+            s = s * scale
+            step_pos = pos - committed
+            in_step = (step_pos >= 0) & pos_ok
+            seen = tl.load(mask_ptr + token[:, None] * stride_mt + step_pos[None, :] * stride_mj,
+                           mask=row_ok[:, None] & in_step[None, :], other=0)
+            allowed = (pos < committed)[None, :] | (seen != 0)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + block[:, None] * stride_vb + offset[:, None] * stride_vo
+                        + kv_head * stride_vh + d[None, :] * stride_vd,
+                        mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        acc = acc / l_i[:, None]
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + d[None, :] * stride_od,
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+_tree_attention_kernel = jit(_tree_attention_kernel_fn)
+
+
+def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, block_table: torch.Tensor,
+                          seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                          tree_mask: torch.Tensor, scale: float,
+                          out: torch.Tensor | None = None, *,
+                          max_query_len: int | None = None, tile: int = 32) -> torch.Tensor:
+    """The Triton kernel; same contract as ``tree_attention_torch``.
+    ``max_query_len`` (the step's longest request) saves a device sync when
+    the caller knows it; ``tile`` is the number of key positions per
+    iteration (a power of two >= 16)."""
+    check_inputs(query, key_cache, value_cache, block_table, seq_lens,
+                 query_start_loc, tree_mask, out)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    num_tokens, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_reqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.zeros_like(query)
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
+    if num_reqs == 0 or max_query_len == 0:
+        return out
+    # Rows per program: the step tokens of one block times the group's heads,
+    # at least 16 (tl.dot's smallest tile) and about 64 when the tree is large.
+    block_q = max(1, min(next_power_of_2(max_query_len), max(64 // group, 1)))
+    block_m = max(16, next_power_of_2(block_q * group))
+    head_pad = max(16, next_power_of_2(head_size))
+    mask_bytes = tree_mask.view(torch.uint8)
+    grid = (num_reqs, -(-max_query_len // block_q), num_kv_heads)
+    _tree_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, mask_bytes,
+        float(scale), block_size,
+        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
+        block_table.stride(0), *mask_bytes.stride(),
+        GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile,
+        IEEE=query.dtype == torch.float32,
+    )
+    return out
+
+
+def tree_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor, block_table: torch.Tensor,
+                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                   tree_mask: torch.Tensor, scale: float,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernel for CUDA tensors when Triton is installed, else the
+    torch twin (the CPU engine's path)."""
+    fn = tree_attention_triton if query.is_cuda and triton_usable(query) else tree_attention_torch
+    return fn(query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+              tree_mask, scale, out)
