@@ -62,6 +62,7 @@ import numpy as np
 from vllm_plugins.options import Option, flag, integer, number, unit_float
 from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token, trim
 from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
+from vllm_plugins.proposers.stand_tree import dense_rows, grow_tree, observed_nodes
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 _MASK = (1 << 63) - 1
@@ -178,6 +179,11 @@ class StandProposer(PluginProposer):
         integer("max_stores", 64, 1, 1 << 16),
         Option("share", "prompt", str, choices=("prompt", "group", "request")),
         integer("seed", 0, 0, None),
+        # "tree": Gumbel-top-k trees (proposers/stand_tree.py) for the
+        # requests a tree serves exactly: greedy ones, and sampled ones
+        # without structured outputs under a prefix-causal draft-length
+        # controller; the rest draft chains.
+        Option("draft_shape", "chain", str, choices=("chain", "tree")),
         # TEST ONLY: "uniform" hands vLLM a uniform row over the drafted
         # distribution's support instead of the distribution the token was
         # drawn from. That is dishonest and biases sampled output; it exists so
@@ -213,6 +219,8 @@ class StandProposer(PluginProposer):
         self._chain_out: tuple[np.ndarray, ...] | None = None
         # Per request: (kind, score) of each draft handed to vLLM last step.
         self._pending: dict[str, list[tuple[int, float]]] = {}
+        # Tree drafts handed over last step: (kinds, parents, tokens).
+        self._pending_tree: dict[str, tuple[list, list[int], list[int]]] = {}
         self._last_kinds: list[list[tuple[int, float]]] | None = None
         # Per-request state is also swept after SWEEP_STEPS steps unseen: the
         # bridge can miss a finish notice (it arrives on a step that schedules
@@ -256,6 +264,7 @@ class StandProposer(PluginProposer):
                 self._live.pop(key, None)
         self._req_rng.pop(req_id, None)
         self._pending.pop(req_id, None)
+        self._pending_tree.pop(req_id, None)
 
     def step(self, ctx: StepContext) -> Drafts:
         self._real_lengths = None
@@ -266,17 +275,27 @@ class StandProposer(PluginProposer):
                                    zip(drafts.tokens, self._real_lengths)])
         kinds = self._last_kinds
         if kinds is not None and len(kinds) == len(drafts.tokens):
-            for r, t, k in zip(ctx.requests, drafts.tokens, kinds):
-                if t:
+            trees = drafts.parents or [None] * len(drafts.tokens)
+            for r, t, k, par in zip(ctx.requests, drafts.tokens, kinds, trees):
+                self._pending.pop(r.req_id, None)
+                self._pending_tree.pop(r.req_id, None)
+                if t and par is not None:
+                    self._pending_tree[r.req_id] = (k[:len(t)], list(par), list(t))
+                elif t:
                     self._pending[r.req_id] = k[:len(t)]
-                else:
-                    self._pending.pop(r.req_id, None)
         self._real_lengths = None
         self._last_kinds = None
         return drafts
 
     def _observe_outcomes(self, r: RequestStep) -> None:
         """Acceptance of last step's drafts, per kind (verified positions only)."""
+        tree = self._pending_tree.pop(r.req_id, None)
+        if tree is not None and not r.in_prefill:
+            kinds, parents, tokens = tree
+            n = min(r.num_draft, len(parents))
+            for node, ok in observed_nodes(parents[:n], tokens[:n], r.accepted):
+                self.calibration.observe(*kinds[node], ok)
+            return
         kinds = self._pending.pop(r.req_id, None)
         if not kinds or r.in_prefill:
             return
@@ -369,6 +388,7 @@ class StandProposer(PluginProposer):
         conf: list[np.ndarray | None] = [None] * n
         real: list[int] = [0] * n
         kinds: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        parents: list[list[int] | None] = [None] * n
         any_probs = False
         self._sweep(ctx)
         # Learn from every request first: samples of one prompt in this batch
@@ -387,7 +407,10 @@ class StandProposer(PluginProposer):
         self._enforce_budget()
         for i, r, length in self.drafting_requests(ctx):
             sampled = r.temperature > _GREEDY_EPS
-            t, p, c, k = self.chain(stores[i], r, length, sampled)
+            if self._tree_serves(r, sampled):
+                t, p, c, k, parents[i] = self.tree(stores[i], r, length, sampled)
+            else:
+                t, p, c, k = self.chain(stores[i], r, length, sampled)
             real[i] = len(t)
             kinds[i] = k
             if sampled and self._pad_sampled and length > len(t):
@@ -400,7 +423,38 @@ class StandProposer(PluginProposer):
         if self._pad_sampled:
             self._real_lengths = real
         self._last_kinds = kinds
-        return Drafts(tokens, probs if any_probs else None, conf)
+        trees = parents if any(p is not None for p in parents) else None
+        return Drafts(tokens, probs if any_probs else None, conf, trees)
+
+    def _tree_serves(self, r: RequestStep, sampled: bool) -> bool:
+        """Whether this request drafts a tree: never where a tree would not be
+        exact (rules 2 and 3 of docs/stand.md, and the test-only rows)."""
+        if self.options["draft_shape"] != "tree":
+            return False
+        if not sampled:
+            return True
+        return (not self._pad_sampled and self._debug_mode(r.sampling_params) == "exact"
+                and not verification_depends_on_token(r.sampling_params))
+
+    def tree(self, store: NgramStore, r: RequestStep, budget: int, sampled: bool):
+        """``chain``'s outputs for a Gumbel-top-k tree (proposers/stand_tree.py),
+        plus the parents."""
+        params = r.sampling_params
+        top_k = int(getattr(params, "top_k", 0) or 0) if sampled else 0
+        top_p = float(getattr(params, "top_p", 1.0) or 1.0) if sampled else 1.0
+        grown = grow_tree(
+            store, r.context[-self.max_order:], budget, sampled=sampled,
+            temperature=r.temperature, top_k=top_k, top_p=top_p,
+            rng=self._rng_for(r) if sampled else None, max_order=self.max_order,
+            calibration=self.calibration, calibrate=self.options["calibrate"],
+            min_path_prob=self.options["min_path_prob"])
+        self.lookups["hit"] += grown.hits
+        self.lookups["miss"] += grown.misses
+        self.drafted["sampled" if sampled else "greedy"] += len(grown.tokens)
+        rows = (dense_rows(grown.rows, self.vocab_size)
+                if sampled and grown.tokens else None)
+        return (grown.tokens, rows, np.asarray(grown.confidence, dtype=np.float32),
+                grown.kinds, grown.parents)
 
     def chain(self, store: NgramStore, r: RequestStep, length: int, sampled: bool
               ) -> tuple[list[int], np.ndarray | None, np.ndarray,
