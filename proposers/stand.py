@@ -64,6 +64,7 @@ from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_
 from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
 from vllm_plugins.proposers.stand_tree import dense_rows, grow_tree, observed_nodes
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.tree.draft import path_to
 
 _MASK = (1 << 63) - 1
 _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
@@ -289,7 +290,7 @@ class StandProposer(PluginProposer):
 
     def _observe_outcomes(self, r: RequestStep) -> None:
         """Acceptance of last step's drafts, per kind (verified positions only)."""
-        tree = self._pending_tree.pop(r.req_id, None)
+        tree = self._pending_tree.get(r.req_id)  # _learn reads it next
         if tree is not None and not r.in_prefill:
             kinds, parents, tokens = tree
             n = min(r.num_draft, len(parents))
@@ -369,7 +370,10 @@ class StandProposer(PluginProposer):
         store.seed_tokens(tokens, self.max_order, float(self.options["prompt_prob"]))
 
     def _learn(self, store: NgramStore, r: RequestStep) -> None:
+        tree = self._pending_tree.pop(r.req_id, None)
         if r.topk_ids is None or len(r.verified_tokens) == 0:
+            return
+        if tree is not None and self._learn_tree(store, r, tree[1], tree[2]):
             return
         rows = min(len(r.verified_tokens), len(r.topk_ids))
         base = len(r.context) - len(r.accepted)
@@ -379,6 +383,25 @@ class StandProposer(PluginProposer):
         head = base - lo  # seq[:head] ends with verified_tokens[0]
         probs = np.exp(np.asarray(r.topk_logprobs[:rows], dtype=np.float64))
         store.observe_rows(seq, head, r.topk_ids[:rows], probs, self.max_order)
+
+    def _learn_tree(self, store: NgramStore, r: RequestStep, parents, tokens) -> bool:
+        """Learn a step that verified (a prefix of) this request's tree, each
+        row under its own node's path; False when the verified nodes are a
+        chain (the bridge cut the tree to its chain prefix), which ``_learn``
+        reads as one sequence."""
+        m = min(len(r.verified_tokens), len(r.topk_ids)) - 1
+        if (m < 1 or m > len(tokens) or list(r.verified_tokens[1:m + 1]) != tokens[:m]
+                or parents[:m] == list(range(-1, m - 1))):
+            return False
+        base = len(r.context) - len(r.accepted)
+        tail = [int(x) for x in r.context[max(0, base - self.max_order):base]]
+        probs = np.exp(np.asarray(r.topk_logprobs[:m + 1], dtype=np.float64))
+        for row in range(m + 1):
+            path = [tokens[j] for j in path_to(parents, row - 1)] if row else []
+            seq = np.asarray((tail + path)[-self.max_order:], dtype=np.int64)
+            store.observe_rows(seq, len(seq), r.topk_ids[row:row + 1],
+                               probs[row:row + 1], self.max_order)
+        return True
 
     # ------------------------------------------------------------ drafting
     def draft(self, ctx: StepContext) -> Drafts:

@@ -213,3 +213,25 @@ def test_tree_outcomes_calibrate_the_nodes_tried():
     assert observed_nodes(parents, tokens, [6, 9, 1]) == [(0, False), (2, True), (3, True)]
     # Emitted 4 then 2: 4 accepted, its children 5 and 8 tried and rejected.
     assert observed_nodes(parents, tokens, [4, 2]) == [(0, True), (1, False), (4, False)]
+
+
+def test_a_verified_tree_is_learned_under_each_nodes_own_path():
+    p = stand(draft_shape="tree", max_order=2)
+    learn_entries(p, "a", 0.0)
+    d = p.step(StepContext([req("a", [1, 2, 3], [3], verified=[2], num_prompt=2)],
+                           max_draft=5))
+    tokens, parents = d.tokens[0], d.parents[0]
+    assert parents != list(range(-1, len(tokens) - 1))  # a real tree
+    # The target's rows after the root and after each node; node 2 (token 6)
+    # hangs from the root, so its context is (3, 6), not (5, 6).
+    rows = [[(10 + j, 0.7), (11, 0.2)] for j in range(len(tokens) + 1)]
+    p.step(StepContext([req("a", [1, 2, 3, 4, 5, 1], [4, 5, 1],
+                            verified=[3, *tokens], topk=rows, num_prompt=2)],
+                       max_draft=5))
+    store = next(iter(p.stores.values()))
+    for node in range(len(tokens)):
+        path = [tokens[j] for j in path_to(parents, node)]
+        slot, order = store.find(([3] + path)[-2:], 2, touch=False)
+        assert order == 2 and store.entry(slot)[0][0] == 11 + node
+    assert tokens[2] == 6 and parents[2] == -1
+    assert store.find([5, 6], 2, touch=False)[1] < 2
