@@ -427,3 +427,73 @@ def test_cpu_attention_forward_reads_a_cache_vllm_wrote():
     for field in ("block_table", "seq_lens", "num_actual_tokens"):
         assert field in CPUAttentionBackendImpl.forward.__code__.co_names or field in src
 
+
+def _original(fn):
+    return getattr(fn, "__wrapped__", fn)
+
+
+def test_build_logitsprocs_drops_processors_when_speculating():
+    """vLLM builds only min_tokens under speculation; the runner calls the
+    name it imported, with the engine's explicit processors."""
+    from vllm.v1.sample import logits_processor as lp
+    from vllm.v1.sample.logits_processor.builtin import (
+        LogitBiasLogitsProcessor, MinPLogitsProcessor)
+    from vllm.v1.worker import gpu_model_runner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    fn = _original(gpu_model_runner.build_logitsprocs)
+    assert params(fn) == ["vllm_config", "device", "is_pin_memory",
+                          "is_pooling_model", "custom_logitsprocs"]
+    src = inspect.getsource(fn)
+    assert "if vllm_config.speculative_config:" in src
+    assert "[MinTokensLogitsProcessor(vllm_config, device, is_pin_memory)]" in src
+    assert "build_logitsprocs(" in inspect.getsource(GPUModelRunner.__init__)
+    assert {LogitBiasLogitsProcessor, MinPLogitsProcessor} <= set(
+        lp.BUILTIN_LOGITS_PROCESSORS)
+    assert callable(lp._load_logitsprocs_plugins)
+    assert callable(lp._load_logitsprocs_by_fqcns)
+    # What the target-row path reads to skip idle processors.
+    assert "self.biases" in inspect.getsource(LogitBiasLogitsProcessor.__init__)
+    assert "self.min_p_count" in inspect.getsource(MinPLogitsProcessor.__init__)
+
+
+def test_spec_decode_refuses_min_p_and_logit_bias():
+    from vllm.sampling_params import SamplingParams
+
+    fn = _original(SamplingParams._validate_spec_decode)
+    assert params(fn) == ["self", "speculative_config"]
+    assert "self._validate_spec_decode(speculative_config)" in inspect.getsource(
+        SamplingParams.verify)
+    from vllm.exceptions import VLLMValidationError
+
+    with pytest.raises(VLLMValidationError, match="min_p and logit_bias"):
+        fn(SamplingParams(min_p=0.1), object())
+    fn(SamplingParams(min_p=0.1), None)
+
+
+def test_rejection_sampler_samples_bonus_rows_then_target_rows():
+    """forward samples the bonus rows with the plain Sampler (which runs the
+    processors), then processes the target rows, then divides by the
+    temperature; the plain sampler runs non-argmax-invariant processors
+    before penalties and min_p after the temperature."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    fwd = _original(RejectionSampler.forward)
+    assert params(fwd) == ["self", "metadata", "draft_probs", "logits",
+                           "sampling_metadata"]
+    assert params(_original(RejectionSampler.apply_logits_processors)) == [
+        "self", "logits", "sampling_metadata", "metadata"]
+    src = inspect.getsource(fwd)
+    bonus = src.index("bonus_sampler_output = self.sampler(")
+    target = src.index("target_logits = self.apply_logits_processors(")
+    constraints = src.index("target_logits = apply_sampling_constraints(")
+    assert bonus < target < constraints
+    plain = inspect.getsource(Sampler.apply_logits_processors)
+    assert plain.index("non_argmax_invariant") < plain.index("self.apply_penalties(")
+    sample = inspect.getsource(Sampler.sample)
+    assert sample.index("self.apply_temperature(") < sample.index(
+        "logitsprocs.argmax_invariant")
+    mine = inspect.getsource(_original(RejectionSampler.apply_logits_processors))
+    # vLLM runs only min_tokens there, and none of ours.
+    assert "MinTokensLogitsProcessor" in mine and "processor.apply(" not in mine

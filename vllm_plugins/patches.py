@@ -10,7 +10,7 @@ what ``scripts/`` compares between two releases.
 
 from __future__ import annotations
 
-from vllm_plugins.bridge import config, cpu_fixes, runner
+from vllm_plugins.bridge import config, cpu_fixes, runner, verify_processors
 from vllm_plugins.bridge.patching import Patch
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -84,6 +84,30 @@ PATCHES: tuple[Patch, ...] = (
           "draft probabilities and token history, to check ranks agree",
           _PINS + "test_custom_class_route_and_worker_rpc",
           runner.add_rank_digest, adds=True),
+    Patch("verify.build_logitsprocs",
+          "vllm.v1.worker.gpu_model_runner:build_logitsprocs",
+          "an engine drafting with our proposers keeps min_p, logit_bias and "
+          "our grammar processor, which vLLM builds only without speculation",
+          _PINS + "test_build_logitsprocs_drops_processors_when_speculating",
+          verify_processors.wrap_build_logitsprocs),
+    Patch("verify.sampling_params",
+          "vllm.sampling_params:SamplingParams._validate_spec_decode",
+          "min_p and logit_bias requests are admitted by engines drafting "
+          "with our proposers, whose verified rows get them",
+          _PINS + "test_spec_decode_refuses_min_p_and_logit_bias",
+          verify_processors.wrap_validate_spec_decode),
+    Patch("verify.bonus_rows",
+          "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
+          "our grammar processor masks each bonus row after the request's "
+          "drafts while the plain sampler samples the bonus rows",
+          _PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
+          verify_processors.wrap_rejection_forward),
+    Patch("verify.target_rows",
+          "vllm.v1.sample.rejection_sampler:RejectionSampler.apply_logits_processors",
+          "logit_bias, our grammar processor (per draft position) and min_p "
+          "on the target rows, in the plain sampler's order",
+          _PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
+          verify_processors.wrap_apply_logits_processors),
     Patch("cpu.expand_batch_to_tokens",
           "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
           "vLLM's CPU build without Triton leaves per-request sampling "
@@ -102,6 +126,11 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.v1.worker.cpu_model_runner:CPUModelRunner.load_model",
     "vllm.v1.worker.gpu_input_batch:InputBatch.__init__",
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata",
+    "vllm.v1.sample.logits_processor:BUILTIN_LOGITS_PROCESSORS",
+    "vllm.v1.sample.logits_processor:_load_logitsprocs_plugins",
+    "vllm.v1.sample.logits_processor:_load_logitsprocs_by_fqcns",
+    "vllm.v1.sample.logits_processor.builtin:LogitBiasLogitsProcessor",
+    "vllm.v1.sample.logits_processor.builtin:MinPLogitsProcessor",
     "vllm.v1.core.sched.output:SchedulerOutput",
     "vllm.v1.spec_decode.custom_class_proposer:create_custom_proposer",
     "vllm.v1.spec_decode.ngram_proposer:_find_longest_matched_ngram_and_propose_tokens",

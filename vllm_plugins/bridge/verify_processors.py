@@ -1,0 +1,214 @@
+"""Logits processors under speculative decoding, for engines that draft with
+our proposers.
+
+vLLM 0.32's V1 runner builds only ``min_tokens`` when speculation is on
+(``build_logitsprocs``), refuses ``min_p`` and ``logit_bias`` per request
+(``SamplingParams._validate_spec_decode``) and runs no custom processor: its
+rejection sampler has no notion of "the processor's state at draft position
+j". For engines whose drafter is ours, the bridge applies at every verified
+row what plain decoding applies at that position, in plain decoding's order:
+
+* the bonus rows (one per request, after all its drafts) go through vLLM's
+  plain ``Sampler``, which runs every processor there: ``logit_bias`` and
+  ``min_p`` as in plain decoding, and our grammar processor, told the step's
+  drafts (``RejectionSampler.forward``), masks each after the drafts;
+* the target rows (row j of a request: after its drafts[:j]) get
+  ``logit_bias`` and our grammar processor's per-position mask before vLLM's
+  penalties, bad words and ``min_tokens`` (plain order: processors, then
+  penalties; the masks commute), and ``min_p`` after them, on the rows
+  divided by the temperature exactly as the sampler divides them, so the
+  rejection sampler's temperature and top-k/top-p follow as in plain
+  decoding (``RejectionSampler.apply_logits_processors``).
+
+Engines with vLLM's own drafters, or none, keep vLLM's behaviour. A request
+whose processors cannot be applied per position (our grammar processor's
+``"aligned"`` sampling: ASAp learns from the rows a request actually samples)
+is served without drafts (``drop_unverifiable``). Other custom logits
+processors cannot be applied per position: given explicitly they are
+refused at start-up, as vLLM refuses them; loaded from an entry point they
+stay off, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+
+logger = logging.getLogger("vllm_plugins")
+
+_SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
+
+
+def applies_processors(vllm_config) -> bool:
+    """True for an engine whose drafter is one of ours (V1 runner: the V2
+    runner is refused for our methods at start-up)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, PLUGIN_OPTIONS_ATTR, None) is not None
+
+
+def _grammar_class():
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    return GrammarLogitsProcessor
+
+
+# ------------------------------------------------------------- start-up
+def wrap_build_logitsprocs(original):
+    # vllm.v1.worker.gpu_model_runner.build_logitsprocs(vllm_config, device,
+    #     is_pin_memory, is_pooling_model, custom_logitsprocs=()) ->
+    #     LogitsProcessors (the runner's input batch holds them).
+    @functools.wraps(original)
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=()):
+        if is_pooling_model or not applies_processors(vllm_config):
+            return original(vllm_config, device, is_pin_memory, is_pooling_model,
+                            custom_logitsprocs)
+        from vllm.v1.sample import logits_processor as lp
+
+        grammar = _grammar_class()
+        explicit = lp._load_logitsprocs_by_fqcns(custom_logitsprocs)
+        refused = [c.__name__ for c in explicit if not issubclass(c, grammar)]
+        if refused:
+            raise ValueError(
+                f"logits_processors {refused} cannot be applied per draft "
+                "position under speculative decoding; with vllm-plugins "
+                "speculation only min_p, logit_bias, min_tokens and "
+                f"{grammar.__name__} are served. Remove them from "
+                "logits_processors or turn speculative_config off")
+        plugins = lp._load_logitsprocs_plugins()
+        dropped = [c.__name__ for c in plugins if not issubclass(c, grammar)]
+        if dropped:
+            logger.warning("logits processors %s (entry points) stay off under "
+                           "speculative decoding, as in vLLM", dropped)
+        ours = [c for c in plugins + explicit if issubclass(c, grammar)]
+        return lp.LogitsProcessors(
+            ctor(vllm_config, device, is_pin_memory)
+            for ctor in [*lp.BUILTIN_LOGITS_PROCESSORS, *ours])
+
+    return build_logitsprocs
+
+
+def wrap_validate_spec_decode(original):
+    # vllm.sampling_params.SamplingParams._validate_spec_decode(self,
+    #     speculative_config): refuses min_p and logit_bias when speculating.
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config):
+        if (speculative_config is not None
+                and getattr(speculative_config, PLUGIN_OPTIONS_ATTR, None) is not None):
+            return None  # our bridge applies them per verified row
+        return original(self, speculative_config)
+
+    return _validate_spec_decode
+
+
+# ------------------------------------------------------------- each step
+def _split_drafts(metadata) -> list[list[int]]:
+    flat = metadata.draft_token_ids.tolist()
+    out, start = [], 0
+    for n in metadata.num_draft_tokens:
+        out.append(flat[start:start + n])
+        start += n
+    return out
+
+
+def _grammar_processors(sampling_metadata) -> list:
+    grammar = _grammar_class()
+    return [p for p in sampling_metadata.logitsprocs.non_argmax_invariant
+            if isinstance(p, grammar) and p._reqs]
+
+
+def wrap_rejection_forward(original):
+    # vllm.v1.sample.rejection_sampler.RejectionSampler.forward(self, metadata,
+    #     draft_probs, logits, sampling_metadata): samples the bonus rows with
+    #     the plain Sampler first, then calls apply_logits_processors on the
+    #     target rows. Our grammar processors hold the step's drafts meanwhile.
+    @functools.wraps(original)
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        procs = _grammar_processors(sampling_metadata)
+        if not procs:
+            return original(self, metadata, draft_probs, logits, sampling_metadata)
+        drafts = _split_drafts(metadata)
+        for p in procs:
+            p.begin_verification(drafts)
+        try:
+            return original(self, metadata, draft_probs, logits, sampling_metadata)
+        finally:
+            for p in procs:
+                p.end_verification()
+
+    return forward
+
+
+def wrap_apply_logits_processors(original):
+    # vllm.v1.sample.rejection_sampler.RejectionSampler.apply_logits_processors(
+    #     self, logits, sampling_metadata, metadata) -> logits: the target rows
+    #     (float32, a copy), before temperature and top-k/top-p.
+    @functools.wraps(original)
+    def apply_logits_processors(self, logits, sampling_metadata, metadata):
+        from vllm.v1.sample.logits_processor.builtin import (
+            LogitBiasLogitsProcessor, MinPLogitsProcessor)
+
+        procs = sampling_metadata.logitsprocs
+        num_draft = list(metadata.num_draft_tokens)
+        grammar = _grammar_class()
+        for p in procs.non_argmax_invariant:  # plain order: builtins, then ours
+            if isinstance(p, LogitBiasLogitsProcessor) and p.biases:
+                apply_per_position(p, logits, num_draft)
+            elif isinstance(p, grammar) and p._reqs:
+                p.apply_drafted(logits, num_draft)
+        logits = original(self, logits, sampling_metadata, metadata)
+        if not sampling_metadata.all_greedy:
+            for p in procs.argmax_invariant:
+                if isinstance(p, MinPLogitsProcessor) and p.min_p_count:
+                    apply_per_position(p, logits, num_draft,
+                                       temperature=sampling_metadata.temperature)
+        return logits
+
+    return apply_logits_processors
+
+
+def apply_per_position(processor, logits: torch.Tensor, num_draft: list[int],
+                       temperature: torch.Tensor | None = None) -> None:
+    """Run a position-independent V1 processor on the target rows in place.
+
+    Its ``apply`` takes one row per request in batch order; target row j of
+    every request with more than j drafts is gathered into such a batch,
+    processed, and written back. With ``temperature`` (``min_p``, which the
+    sampler runs after dividing by it), the processor sees the rows divided
+    as the sampler divides them (greedy rows by 1), and what it masks is
+    masked in ``logits``.
+    """
+    num_reqs = len(num_draft)
+    starts = [0] * num_reqs
+    for i in range(1, num_reqs):
+        starts[i] = starts[i - 1] + num_draft[i - 1]
+    temp = None
+    if temperature is not None:
+        temp = torch.where(temperature < _SAMPLING_EPS,
+                           torch.ones_like(temperature), temperature).unsqueeze(1)
+    for j in range(max(num_draft, default=0)):
+        reqs = [i for i in range(num_reqs) if num_draft[i] > j]
+        rows = torch.tensor([starts[i] + j for i in reqs], device=logits.device)
+        index = torch.tensor(reqs, device=logits.device)
+        batch = logits.new_zeros((num_reqs, logits.shape[1]))
+        batch[index] = logits[rows]
+        if temp is None:
+            logits[rows] = processor.apply(batch)[index]
+        else:
+            scaled = processor.apply(batch.div_(temp))
+            masked = torch.isneginf(scaled[index])
+            logits[rows] = logits[rows].masked_fill(masked, float("-inf"))
+
+
+# ------------------------------------------------------------- drafting
+def drop_unverifiable(sampling_params: list, tokens: list[list[int]]) -> list[list[int]]:
+    """Drafts of requests whose processors cannot be applied per position
+    removed (such requests are served as plain decoding serves them)."""
+    from vllm_plugins.logits_processors.grammar import verifies_per_position
+
+    return [[] if t and p is not None and not verifies_per_position(p) else t
+            for t, p in zip(tokens, sampling_params)]
