@@ -14,6 +14,12 @@ inner). vLLM's scheduler checks every draft against its own grammar again, and
 its rejection sampler verifies it against the target, so output is exactly
 vLLM's structured output without speculation.
 
+A request with our grammar logits processor (``extra_args["grammar"]``) is
+drafted the same way from that grammar; the bridge then applies the
+processor's mask at every verified row (``vllm_plugins.bridge
+.verify_processors``), so output is exactly the processor's without
+speculation.
+
 Each request's grammar is rebuilt here from its ``SamplingParams`` as the
 request's vLLM backend builds it (``vllm_plugins.grammar.structured_outputs``),
 with a matcher per request (a copy of a cached template), advanced by the
@@ -45,6 +51,14 @@ logger = logging.getLogger("vllm_plugins")
 
 _METHOD = "grammar_forced"
 _TIMING_WINDOW = 20_000  # draft-time samples kept for p50 / p99
+
+
+def processor_grammar(sampling_params) -> Any | None:
+    """The grammar our logits processor enforces on this request
+    (``extra_args["grammar"]``), or None."""
+    from vllm_plugins.grammar.spec import grammar_request
+
+    return grammar_request(getattr(sampling_params, "extra_args", None))
 
 
 def parse_inner(value: Any) -> tuple[str | None, dict]:
@@ -194,7 +208,10 @@ class GrammarProposer(PluginProposer):
         for i, r in enumerate(ctx.requests):
             if r.in_prefill:
                 continue
-            if probs is not None and verification_depends_on_token(r.sampling_params):
+            if probs is not None and (verification_depends_on_token(r.sampling_params)
+                                      or processor_grammar(r.sampling_params) is not None):
+                # Our grammar processor's requests: the draft below is rewritten,
+                # and one-hot rows keep verification exact whatever chose it.
                 # vLLM cuts this draft at the first token its grammar rejects,
                 # so an inner row would not be exact, matcher or not (one-hot
                 # rows are: see proposers/stand.py, rule 3).
@@ -238,12 +255,17 @@ class GrammarProposer(PluginProposer):
 
     def _new_state(self, r: RequestStep) -> RequestGrammar | None:
         so = getattr(r.sampling_params, "structured_outputs", None)
-        if so is None:
+        ours = processor_grammar(r.sampling_params)
+        if so is None and ours is None:
             return None
+        from vllm_plugins.grammar.spec import compile_grammar_request
         from vllm_plugins.grammar.structured_outputs import grammar_for
 
         try:
-            compiled = grammar_for(so, self._so_config)
+            # Our grammar processor's extra_args grammar compiles as the
+            # processor compiles it; vLLM's structured outputs as vLLM does.
+            compiled = (grammar_for(so, self._so_config) if so is not None
+                        else compile_grammar_request(ours))
             if compiled is None:
                 return None
             runtime = self._get_runtime()
