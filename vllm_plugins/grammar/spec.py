@@ -12,8 +12,15 @@ OpenAI server's ``vllm_xargs`` carries only strings and numbers. Plus optional
 settings::
 
     "whitespace_flexible": bool   # JSON kinds only. Default True (as vLLM's
-                                  # guidance backend): any JSON whitespace
+                                  # structured output): any JSON whitespace
                                   # between tokens; False allows none
+    "json_schema_faithful": bool  # json_schema only. Default False: the
+                                  # language vLLM's native backend gives the
+                                  # schema (objects closed where the schema
+                                  # is silent, oneOf as anyOf, unimplemented
+                                  # keywords ignored; see native_json). True:
+                                  # JSON Schema's reading, and a schema that
+                                  # cannot be fully enforced is refused
     "aligned": bool               # any kind. Default False. True: grammar-
                                   # aligned sampling (ASAp, see
                                   # logits_processors.asap) instead of
@@ -36,6 +43,8 @@ from typing import Any
 
 import llguidance
 
+from .native_json import NATIVE_JSON_OPTIONS, native_schema
+
 #: The ``SamplingParams.extra_args`` key that switches the processor on.
 GRAMMAR_KEY = "grammar"
 #: Exactly one of these must be present in ``extra_args["grammar"]``.
@@ -43,6 +52,7 @@ GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "lark")
 #: Optional settings and the kinds they apply to.
 OPTION_KINDS = {
     "whitespace_flexible": ("json_schema", "json_object"),
+    "json_schema_faithful": ("json_schema",),
     "aligned": GRAMMAR_KINDS,
 }
 
@@ -76,8 +86,9 @@ def grammar_request(extra_args: dict[str, Any] | None) -> Any | None:
     return extra_args.get(GRAMMAR_KEY)
 
 
-def _schema_text(value: Any) -> str:
-    """Canonical JSON text of a ``json_schema`` value (dict, bool or JSON text)."""
+def _schema_text(value: Any, faithful: bool) -> str:
+    """Canonical JSON text of a ``json_schema`` value (dict, bool or JSON text),
+    rewritten to native's language unless ``faithful``."""
     where = f'{_WHERE}["json_schema"]'
     if isinstance(value, str):
         try:
@@ -89,9 +100,12 @@ def _schema_text(value: Any) -> str:
             f"{where} must be a JSON Schema (an object or a boolean), "
             f"got {type(value).__name__}"
         )
-    if isinstance(value, bool):
-        # Boolean schemas: llguidance applies options only to object schemas.
-        value = {} if value else {"not": {}}
+    if value is False:
+        raise GrammarSpecError(f"{where} is false: no JSON value satisfies it")
+    if value is True:
+        value = {}  # llguidance applies options only to object schemas
+    if not faithful:
+        value = native_schema(value)
     try:
         return json.dumps(value, allow_nan=False)  # key order matters: llguidance emits properties in schema order
     except (TypeError, ValueError) as e:
@@ -146,21 +160,31 @@ def _to_llguidance(raw: Any) -> tuple[str, str, bool]:
                 f'{_WHERE}["whitespace_flexible"] must be true or false, '
                 f"got {flexible!r}"
             )
+        faithful = raw.get("json_schema_faithful", False)
+        if not isinstance(faithful, bool):
+            raise GrammarSpecError(
+                f'{_WHERE}["json_schema_faithful"] must be true or false, '
+                f"got {faithful!r}"
+            )
+        options = {"whitespace_flexible": flexible}
         if kind == "json_object":
             if value is not True:
                 raise GrammarSpecError(
                     f'{_WHERE}["json_object"] must be true, got {value!r}'
                 )
-            schema = '{"type": "object"}'
+            schema = '{"type": "object"}'  # any object, in both readings
+        elif faithful:
+            schema = _schema_text(value, faithful=True)
         else:
-            schema = _schema_text(value)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema, defaults={"whitespace_flexible": flexible}
-            )
-        except (ValueError, TypeError) as e:
-            raise GrammarSpecError(f'{_WHERE}["{kind}"] is not usable: {e}') from e
-        return kind, grammar, aligned
+            options.update(NATIVE_JSON_OPTIONS)
+            grammar = _json_grammar(kind, _schema_text(value, faithful=False), options)
+            if not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]:
+                return kind, grammar, aligned
+            # Read as xgrammar reads it, the schema does not compile (e.g. an
+            # allOf whose parts are closed objects): vLLM's auto backend falls
+            # back to guidance, which reads the schema as JSON Schema does.
+            schema = _schema_text(value, faithful=True)
+        return kind, _json_grammar(kind, schema, options), aligned
 
     if not isinstance(value, str) or not value:
         raise GrammarSpecError(
@@ -169,6 +193,13 @@ def _to_llguidance(raw: Any) -> tuple[str, str, bool]:
     if kind == "regex":
         return kind, llguidance.LLMatcher.grammar_from_regex(value), aligned
     return kind, llguidance.LLMatcher.grammar_from_lark(value), aligned
+
+
+def _json_grammar(kind: str, schema: str, options: dict) -> str:
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+    except (ValueError, TypeError) as e:
+        raise GrammarSpecError(f'{_WHERE}["{kind}"] is not usable: {e}') from e
 
 
 def _cache_key(raw: Any) -> str | None:

@@ -113,8 +113,12 @@ def _grammar_for(structured_outputs: Any, so_config: Any) -> CompiledGrammar | N
                 raise GrammarSpecError(f"structured_outputs.json is not JSON: {e}") from e
         if isinstance(schema, dict) and backend_closes_objects(backend, so_config):
             schema = close_objects(schema)
+        # spec's default reading is xgrammar's (native_json); guidance reads
+        # the schema as JSON Schema does.
+        xgrammar = bool(backend) and backend.startswith("xgrammar")
         return compile_grammar_request({"json_schema": schema,
-                                        "whitespace_flexible": flexible})
+                                        "whitespace_flexible": flexible,
+                                        "json_schema_faithful": not xgrammar})
     if so.json_object:
         return compile_grammar_request({"json_object": True,
                                         "whitespace_flexible": flexible})
