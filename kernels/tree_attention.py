@@ -86,19 +86,18 @@ def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
         num_blocks = -(-seq_len // block_size)
         blocks = block_table[b, :num_blocks].long()
         # [seq_len, kv_heads, head_size] -> [kv_heads, seq_len, head_size]
-        keys = key_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
-        values = value_cache[blocks].reshape(-1, num_kv_heads, head_size)[:seq_len]
+        keys = key_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_size)[:seq_len]
+        values = value_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_size)[:seq_len]
         keys = keys.transpose(0, 1).float()
         values = values.transpose(0, 1).float()
         # [query_len, heads, D] -> [kv_heads, group * query_len, D]; head h = kv * group + g
         q = query[q0:q1].float().view(query_len, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_size)
         scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
-        hidden = torch.zeros(query_len, seq_len, dtype=torch.bool)
-        hidden[:, committed:] = ~tree_mask[q0:q1, :query_len].to("cpu")
-        scores = scores.view(num_kv_heads, group, query_len, seq_len)
-        scores.masked_fill_(hidden.to(scores.device), float("-inf"))
-        probs = torch.softmax(scores.view(num_kv_heads, group * query_len, seq_len), dim=-1)
+        hidden = ~tree_mask[q0:q1, :query_len].to(scores.device)  # committed: all seen
+        scores.view(num_kv_heads, group, query_len, seq_len)[..., committed:].masked_fill_(
+            hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         result = torch.bmm(probs, values).view(num_kv_heads, group, query_len, head_size)
         out[q0:q1] = result.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size)
     return out
