@@ -58,7 +58,7 @@ def row_starts(tokens: Sequence[Sequence[int]]) -> list[int]:
 
 def draw(probs: torch.Tensor, generator=None) -> int:
     """One token from an (unnormalised) probability row by inverse CDF: one
-    uniform per draw, and on CPU an order of magnitude faster than
+    uniform and one cumulative sum per draw, cheaper on CPU than
     torch.multinomial over a large vocabulary. A zero-probability token is
     never drawn (the search takes the first cumulative sum above u)."""
     cdf = torch.cumsum(probs, 0, dtype=torch.float64)
