@@ -429,3 +429,11 @@ def test_triton_kernel_under_interpreter(interpreted_results, name):
     assert name in interpreted_results["checks"], f"{name} was not run"
     error = interpreted_results["checks"][name]
     assert error is None, error
+
+
+def test_kernel_sizes_bench_times_the_twin():
+    from vllm_plugins.bench.kernel_sizes import measure_tree_attention
+
+    rows = measure_tree_attention([4, 8], context=40, repeats=2)
+    assert [r["nodes"] for r in rows] == [4, 8]
+    assert all(r["layer_us"] > 0 and r["step_ms"] == r["layer_us"] * 30 / 1e3 for r in rows)

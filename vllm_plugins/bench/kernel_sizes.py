@@ -12,6 +12,12 @@ it directly, on the default model's MLP shape:
 Per row count: the first call's time (kernel built) and the median of later
 calls (kernel cached), then one pass over more distinct counts than the cache
 holds, twice: the second pass finds only part of them cached.
+
+Then the tree attention twin (``vllm_plugins.kernels.tree_attention``, the
+CPU engine's path for tree steps) on the default model's attention shape:
+the fastest of repeated calls (other load on the machine only adds to a
+call) for one layer and for a step's layers, per tree size
+(``--tree-sizes``), for one request with ``--context`` committed tokens.
 """
 
 from __future__ import annotations
@@ -59,11 +65,50 @@ def measure(rows: list[int], in_features: int = 576, out_features: int = 1536,
             "sweep_first_pass_us": passes[0], "sweep_second_pass_us": passes[1]}
 
 
+def measure_tree_attention(sizes: list[int], context: int = 512, heads: int = 9,
+                           kv_heads: int = 3, head_size: int = 64, layers: int = 30,
+                           block_size: int = 32, repeats: int = 20) -> list[dict]:
+    """Fastest microseconds per layer of the tree attention twin, per tree size: a
+    binary tree of that many nodes plus its root, over a CPU-layout cache
+    with shuffled blocks; the step's cost is that times ``layers``."""
+    import torch
+
+    from vllm_plugins.kernels.cache_layout import cpu_cache_views
+    from vllm_plugins.kernels.tree_attention import tree_attention_torch
+    from vllm_plugins.tree.draft import ancestor_mask
+
+    torch.manual_seed(0)
+    out = []
+    for n in sizes:
+        parents = [(i - 1) // 2 for i in range(n)]  # node 0 under the root
+        mask = ancestor_mask(parents)  # root and nodes: the step's n + 1 tokens
+        seq_len = context + n + 1
+        num_blocks = -(-seq_len // block_size)
+        kv = torch.randn(num_blocks, kv_heads, block_size, 2 * head_size)
+        key_cache, value_cache = cpu_cache_views(kv)
+        args = (torch.randn(n + 1, heads, head_size), key_cache, value_cache,
+                torch.randperm(num_blocks, dtype=torch.int32).view(1, -1),
+                torch.tensor([seq_len], dtype=torch.int32),
+                torch.tensor([0, n + 1], dtype=torch.int32), mask, head_size ** -0.5)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            tree_attention_torch(*args)
+            times.append(1e6 * (time.perf_counter() - start))
+        layer_us = min(times[1:])  # the first call may allocate
+        out.append({"nodes": n, "layer_us": layer_us, "step_ms": layer_us * layers / 1e3})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=_int_list, default=[16, 32, 48, 64, 112])
     ap.add_argument("--cache", type=int, default=32,
                     help="kernels kept per handler (vLLM uses 32)")
+    ap.add_argument("--tree-sizes", type=_int_list, default=[8, 16, 32, 64],
+                    help="tree node counts for the tree attention twin")
+    ap.add_argument("--context", type=int, default=512,
+                    help="committed tokens before the tree")
     args = ap.parse_args(argv)
     out = measure(args.rows, cache=args.cache)
     print("| rows | first call (us) | cached (us) |")
@@ -73,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{out['sweep_sizes']} distinct row counts, cache {out['cache']}: mean call "
           f"{out['sweep_first_pass_us']:.0f} us on the first pass, "
           f"{out['sweep_second_pass_us']:.0f} us on the second")
+    print(f"\nTree attention twin, one request, {args.context} committed tokens, "
+          "9 heads over 3 kv heads of 64, 30 layers:")
+    print("| tree nodes | per layer (us) | per step (ms) |")
+    print("|---:|---:|---:|")
+    for r in measure_tree_attention(args.tree_sizes, context=args.context):
+        print(f"| {r['nodes']} | {r['layer_us']:.0f} | {r['step_ms']:.1f} |")
     return 0
 
 
