@@ -242,6 +242,9 @@ def test_twin_matches_vllm_cpu_attention_on_a_chain(dtype):
 # a fresh process (tests/kernels_interpreted.py) that sets it first; each
 # check is reported here as its own test.
 
+# No bfloat16 here: Triton's interpreter computes tl.dot wrongly on bfloat16
+# inputs (plain loads, stores and casts are right), so bfloat16 attention
+# waits for a GPU run.
 TRITON_CASES = [
     # layout, block_size, heads, kv_heads, head_size, dtype
     ("contiguous", 16, 4, 4, 64, "float32"),
