@@ -211,3 +211,17 @@ def test_native_constructs_compile_by_default_and_faithful_refuses_them(schema):
 def test_bad_faithful_option_is_refused(grammar, needle):
     with pytest.raises(GrammarSpecError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         compile_grammar_request(grammar)
+
+
+def test_bench_replays_each_modes_mask(vllm_config, tokenizer):
+    """The grammar benchmark's per-mode parts, without an engine: compile
+    checks and the mask replay over an output, native and ours."""
+    from vllm_plugins.bench.grammar_modes import mask_times, native_compiles, ours_compiles
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    assert native_compiles(schema) and ours_compiles(schema)
+    assert not native_compiles({"type": "string", "format": "big-integer"})
+    ids = tokenizer.encode('{"n": 12}', add_special_tokens=False) + [tokenizer.eos_token_id]
+    for kind in ("native", "ours"):
+        times = mask_times(kind, vllm_config, tokenizer, [(schema, ids)])
+        assert len(times) >= len(ids) - 1 and all(t > 0 for t in times)

@@ -3,6 +3,10 @@ grammar-forced drafts, and the cost of the grammar logits processor.
 
     python -m vllm_plugins.bench.grammar_bench --schemas 60 --max-tokens 256
     python -m vllm_plugins.bench.grammar_bench --processor --schemas 0 [--generate 100]
+    python -m vllm_plugins.bench.grammar_bench --modes all --schemas 16 --max-tokens 128
+
+``--modes``: native structured output against our grammar processor, per
+mode (``vllm_plugins.bench.grammar_modes``).
 
 Schemas are JSONSchemaBench dev schemas (``json_schemas_dev.jsonl`` of the
 shared data, or ``--schema-file``), ``--schemas N`` of them spread evenly over
@@ -75,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--processor", action="store_true",
                    help="measure the grammar logits processor instead of "
                         "grammar-forced drafts")
+    p.add_argument("--modes", default=None,
+                   help="compare native structured output and our processor "
+                        "per mode (comma list or 'all'; see bench.grammar_modes)")
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--schemas", type=int, default=60,
                    help="how many dev schemas, spread evenly over the file (0: all)")
@@ -499,6 +506,10 @@ def generate_with_processor(model: str, schemas: list, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.modes:
+        from vllm_plugins.bench.grammar_modes import run_modes
+
+        return run_modes(args)
     return run_processor(args) if args.processor else run_drafts(args)
 
 
