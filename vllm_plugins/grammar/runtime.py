@@ -18,7 +18,8 @@ import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
-from .spec import _LRU, CompiledGrammar
+from .compile_cache import OnceCache
+from .spec import CompiledGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ PARALLEL_FILL_MIN_CORES = 4
 # Matcher templates by grammar text: a request gets a deep copy of a compiled
 # matcher, far cheaper than compiling its grammar again.
 _TEMPLATE_CACHE_SIZE = 256
+# Runtimes by (tokenizer, revision, logits width): one per engine model.
+_RUNTIME_CACHE_SIZE = 8
 
 
 def build_ll_tokenizer(tokenizer, vocab_size: int | None = None) -> llguidance.LLTokenizer:
@@ -62,15 +65,19 @@ class GrammarRuntime:
     def __post_init__(self) -> None:
         self.vocab_size = self.ll_tokenizer.vocab_size
         self.eos_token = self.ll_tokenizer.eos_token
-        self._templates: _LRU = _LRU(_TEMPLATE_CACHE_SIZE)
+        # Shared with the engine core's compile pool (compile_cache): a template
+        # being compiled there is awaited here, never compiled twice.
+        self._templates = OnceCache(_TEMPLATE_CACHE_SIZE)
         self._bitmask = llg_torch.allocate_token_bitmask(1, self.vocab_size)
         self._executor: llguidance.LLExecutor | None = None
         self._parallel = _cores() >= PARALLEL_FILL_MIN_CORES
         self._shifts: dict[torch.device, torch.Tensor] = {}
 
     # ---- matchers -------------------------------------------------------
-    def new_matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
-        template = self._templates.get_or(
+    def template(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
+        """The compiled matcher for ``compiled``'s grammar text (compiled once
+        per process; never advanced: requests get copies)."""
+        return self._templates.get(
             compiled.grammar,
             lambda: llguidance.LLMatcher(
                 self.ll_tokenizer,
@@ -78,7 +85,9 @@ class GrammarRuntime:
                 log_level=int(os.environ.get("LLGUIDANCE_LOG_LEVEL", "0")),
             ),
         )
-        return template.deep_copy()
+
+    def new_matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
+        return self.template(compiled).deep_copy()
 
     # ---- bitmask --------------------------------------------------------
     def bitmask(self, num_rows: int) -> torch.Tensor:
@@ -152,13 +161,32 @@ class GrammarRuntime:
         logits[index, toks] = 0.0
 
 
-_RUNTIMES: dict[tuple, GrammarRuntime] = {}
+_RUNTIMES = OnceCache(_RUNTIME_CACHE_SIZE)
 
 
 def runtime_for(tokenizer, vocab_size: int | None, key: tuple) -> GrammarRuntime:
     """One runtime per (tokenizer, vocab) in this process: building one reads
-    the whole vocabulary, so it is done once."""
-    rt = _RUNTIMES.get(key)
-    if rt is None:
-        rt = _RUNTIMES[key] = GrammarRuntime(build_ll_tokenizer(tokenizer, vocab_size))
-    return rt
+    the whole vocabulary, so it is done once (a caller that finds it being
+    built on the compile pool waits for it)."""
+    return _RUNTIMES.get(key, lambda: GrammarRuntime(build_ll_tokenizer(tokenizer, vocab_size)))
+
+
+def engine_runtime_key(model_config) -> tuple:
+    """The runtime key of an engine's model: the grammar logits processor
+    and the engine core's compile hold must find the same runtime."""
+    return (model_config.tokenizer, model_config.tokenizer_revision,
+            model_config.get_vocab_size())
+
+
+def engine_runtime(model_config) -> GrammarRuntime:
+    """The runtime for an engine's model, its tokenizer loaded as vLLM loads it."""
+    key = engine_runtime_key(model_config)
+    fut = _RUNTIMES.peek(key)
+    if fut is not None and fut.done() and fut.exception() is None:
+        return fut.result()
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    tokenizer = cached_tokenizer_from_config(model_config)
+    if tokenizer is None:
+        raise RuntimeError("the engine was started with skip_tokenizer_init")
+    return runtime_for(tokenizer, model_config.get_vocab_size(), key)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -213,16 +214,22 @@ class _LRU(OrderedDict):
     def __init__(self, size: int):
         super().__init__()
         self.size = size
+        # The engine core compiles on threads (grammar.compile_cache) while
+        # its loop reads this too: dict operations under the lock, make() not.
+        self._lock = threading.Lock()
 
     def get_or(self, key, make):
-        if key is not None and key in self:
-            self.move_to_end(key)
-            return self[key]
+        if key is not None:
+            with self._lock:
+                if key in self:
+                    self.move_to_end(key)
+                    return self[key]
         value = make()
         if key is not None:
-            self[key] = value
-            if len(self) > self.size:
-                self.popitem(last=False)
+            with self._lock:
+                self[key] = value
+                while len(self) > self.size:
+                    self.popitem(last=False)
         return value
 
 

@@ -1,0 +1,161 @@
+"""Grammar compilation off the engine loop: one compile per distinct grammar.
+
+A grammar request's matcher (``llguidance.LLMatcher``) is built from its
+grammar text and the engine's llguidance tokenizer; for a large schema that
+takes long enough to stall every running request if it happens inside an
+engine step. So, as vLLM's own structured-output manager does
+(``StructuredOutputManager.grammar_init``), the engine core starts the
+compile on a thread pool when the request arrives, and the scheduler holds
+the request in waiting until it is done (``vllm_plugins.bridge.grammar_hold``).
+The worker, in the same process under vLLM's uniprocess executor, then finds
+the compiled template in the process-wide caches here and copies it.
+
+llguidance releases the GIL while it compiles (``tests/test_grammar_compile.py``
+measures the engine thread's progress during a compile), so a thread is
+enough: the engine loop keeps running Python while the pool compiles.
+
+Two caches, both keyed by text and shared by every thread of the process:
+
+* ``OnceCache``: values computed at most once per key. A caller that asks
+  for a key another thread is computing waits for that result rather than
+  computing it again; a failed computation is not kept (the next caller
+  tries again).
+* the request-level cache of :func:`compile_request`: the whole path from a
+  request's ``extra_args["grammar"]`` to a matcher template, run on the pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Hashable
+
+# Requests whose compile was started by the engine core, by the canonical
+# text of their spec; bounded like the caches below it.
+_REQUEST_CACHE_SIZE = 512
+
+
+class OnceCache:
+    """An LRU of futures: each key's value is computed once, by one caller."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._items: OrderedDict[Hashable, Future] = OrderedDict()
+
+    def _claim(self, key: Hashable) -> tuple[Future, bool]:
+        with self._lock:
+            fut = self._items.get(key)
+            if fut is not None:
+                self._items.move_to_end(key)
+                return fut, False
+            fut = self._items[key] = Future()
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+            return fut, True
+
+    def _run(self, key: Hashable, fut: Future, make: Callable[[], Any]) -> None:
+        try:
+            value = make()
+        except BaseException as e:  # noqa: BLE001 - handed to every waiter
+            with self._lock:
+                if self._items.get(key) is fut:
+                    del self._items[key]
+            fut.set_exception(e)
+        else:
+            fut.set_result(value)
+
+    def get(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The value for ``key``: computed here if no one has, else awaited."""
+        fut, mine = self._claim(key)
+        if mine:
+            self._run(key, fut, make)
+        return fut.result()
+
+    def submit(self, key: Hashable, make: Callable[[], Any]) -> Future:
+        """A future of the value for ``key``, computed on the compile pool if new.
+
+        ``make`` must not wait for another ``submit``'s future (the pool may
+        have a single thread); waiting in ``get`` is fine: a value being
+        computed there is computed by a thread that is running.
+        """
+        fut, mine = self._claim(key)
+        if mine:
+            compile_pool().submit(self._run, key, fut, make)
+        return fut
+
+    def peek(self, key: Hashable) -> Future | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def compile_pool() -> ThreadPoolExecutor:
+    """The process's compile threads: half the cores, at least one (vLLM's
+    structured-output manager sizes its pool the same way: compiling is CPU
+    work, and the engine needs the other half)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(1, (_cores() + 1) // 2),
+                                       thread_name_prefix="vllm-plugins-grammar")
+        return _POOL
+
+
+_REQUESTS = OnceCache(_REQUEST_CACHE_SIZE)
+
+
+def spec_text(raw: Any) -> str | None:
+    """The canonical text of a request's ``extra_args["grammar"]``: the string
+    itself, or a dict's JSON text in its own key order (property order is
+    meaningful to llguidance). None when it cannot be written (too deep, not
+    JSON): such a spec is compiled without caching, to report its error."""
+    if isinstance(raw, str):
+        return raw
+    try:
+        return json.dumps(raw, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+
+
+def compile_request(raw: Any, runtime: Callable[[], Any]) -> Future:
+    """Start compiling ``extra_args["grammar"]`` (``raw``) for the runtime that
+    ``runtime()`` returns (built on the pool too: its tokenizer takes seconds);
+    a future of the matcher template. A spec already compiled in this process
+    returns a finished future at once."""
+
+    def make():
+        from vllm_plugins.grammar.spec import compile_grammar_request
+
+        rt = runtime()
+        return rt.template(compile_grammar_request(raw))
+
+    key = spec_text(raw)
+    if key is None:
+        fut: Future = Future()
+        compile_pool().submit(lambda: _settle(fut, make))
+        return fut
+    return _REQUESTS.submit(key, make)
+
+
+def _settle(fut: Future, make: Callable[[], Any]) -> None:
+    try:
+        fut.set_result(make())
+    except BaseException as e:  # noqa: BLE001 - the scheduler reports it
+        fut.set_exception(e)
