@@ -93,7 +93,7 @@ class _GrammarRequest:
     """One request's matcher and how far it has read the request's output."""
 
     __slots__ = ("matcher", "output", "n_consumed", "eos", "failed", "asap",
-                 "after_failure")
+                 "after_failure", "reported")
 
     def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int] | None, eos: int):
         self.matcher = matcher
@@ -106,6 +106,7 @@ class _GrammarRequest:
         # (fail closed, logged). after_failure: its output tokens since then.
         self.failed: str | None = None if matcher is not None else "grammar unavailable"
         self.after_failure = 0
+        self.reported = False  # failure handed to the scheduler (take_failures)
         # ``"aligned": true`` (V1): this request's walk down its prompt's ASAp trie.
         self.asap: AsapCursor | None = None
 
@@ -193,6 +194,9 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         # V1 under speculation: the step's drafts by batch index while vLLM's
         # rejection sampler runs (set by the bridge), else None.
         self._verifying: list[list[int]] | None = None
+        # V1: batch index -> why its grammar failed, since the last
+        # take_failures (the bridge ends those requests with an error).
+        self._failures: dict[int, str] = {}
         self._idle = _is_duplicate(vllm_config)
         if self._idle:
             logger.info(
@@ -233,6 +237,15 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def take_failures(self) -> dict[int, str]:
+        """Batch index -> reason, for each V1 request whose grammar failed in
+        this step (each reported once). The bridge reads them after sampling
+        (``vllm_plugins.bridge.grammar_hold``) and the scheduler finishes
+        those requests with an error; where it does not, they end with
+        ``FAILURE_TEXT`` and EOS as before."""
+        failures, self._failures = self._failures, {}
+        return failures
 
     # --------------------------------------------------------------- helpers
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
@@ -461,6 +474,9 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
                          "processors (async scheduling; pass --logits-processors)")
                 # Nor would the failure text's tokens be: EOS at once.
                 req.after_failure = 1 << 30
+            if req.failed and not req.reported:
+                req.reported = True
+                self._failures[index] = req.failed
             rows.append(index)
             reqs.append(req)
         return rows, reqs

@@ -497,3 +497,57 @@ def test_rejection_sampler_samples_bonus_rows_then_target_rows():
     mine = inspect.getsource(_original(RejectionSampler.apply_logits_processors))
     # vLLM runs only min_tokens there, and none of ours.
     assert "MinTokensLogitsProcessor" in mine and "processor.apply(" not in mine
+
+
+def test_scheduler_holds_blocked_requests_and_ends_errors():
+    # bridge/grammar_hold.py: a new request in a blocked-waiting status goes
+    # to deferred_waiting; the blocked branch for grammars reads vLLM's own
+    # structured_output_request (ours is absent, so we answer first);
+    # grammar_compile_error_reqs become FINISHED_ERROR outputs in
+    # update_from_output, and an empty sampled-token list adds nothing.
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import FinishReason
+    from vllm.v1.request import RequestStatus
+
+    import vllm_plugins
+
+    vllm_plugins.register()
+    add = inspect.getsource(Scheduler.add_request.__wrapped__)
+    assert "self._enqueue_waiting_request(request)" in add
+    assert "RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR" in inspect.getsource(
+        Scheduler._is_blocked_waiting_status)
+    blocked = inspect.getsource(Scheduler._handle_blocked_waiting_request.__wrapped__)
+    assert "request.structured_output_request" in blocked
+    assert "self.grammar_compile_error_reqs.add(request.request_id)" in blocked
+    update = inspect.getsource(Scheduler.update_from_output.__wrapped__)
+    assert "error_req_ids = set(self.grammar_compile_error_reqs)" in update
+    assert "error_req_ids, RequestStatus.FINISHED_ERROR" in update
+    assert "sampled_token_ids[req_index] if sampled_token_ids else []" in update
+    assert "if new_token_ids:" in update
+    assert RequestStatus.get_finished_reason(RequestStatus.FINISHED_ERROR) == (
+        FinishReason.ERROR)
+    assert params(Scheduler._handle_blocked_waiting_request) == ["self", "request"]
+
+
+def test_runner_output_carries_matcher_errors():
+    # bridge/grammar_hold.py: sample_tokens returns the step's output (or an
+    # async one with get_output); logits processors are on
+    # input_batch.logitsprocs.all; a ModelRunnerOutput keeps an attribute
+    # of ours through pickling (a multiprocess executor's channel).
+    import dataclasses
+
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.sample.logits_processor.state import LogitsProcessors
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import vllm_plugins
+
+    vllm_plugins.register()
+    assert params(GPUModelRunner.sample_tokens) == ["self", "grammar_output"]
+    src = inspect.getsource(GPUModelRunner.sample_tokens.__wrapped__)
+    assert "sampler_output = self._sample(logits, spec_decode_metadata)" in src
+    assert "get_output" in AsyncModelRunnerOutput.__abstractmethods__
+    assert dataclasses.is_dataclass(ModelRunnerOutput)
+    assert not hasattr(ModelRunnerOutput, "__slots__")
+    assert isinstance(LogitsProcessors.__dict__["all"], property)
+

@@ -10,10 +10,11 @@ what ``scripts/`` compares between two releases.
 
 from __future__ import annotations
 
-from vllm_plugins.bridge import config, cpu_fixes, runner, verify_processors
+from vllm_plugins.bridge import config, cpu_fixes, grammar_hold, runner, verify_processors
 from vllm_plugins.bridge.patching import Patch
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _PINS = "tests/test_bridge_pins.py::"
 
 PATCHES: tuple[Patch, ...] = (
@@ -108,6 +109,26 @@ PATCHES: tuple[Patch, ...] = (
           "on the target rows, in the plain sampler's order",
           _PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
           verify_processors.wrap_apply_logits_processors),
+    Patch("grammar.hold_new_requests", _SCHEDULER + ".add_request",
+          "a request with our grammar waits (vLLM's blocked-waiting state) "
+          "while its grammar compiles on a thread, not inside a step",
+          _PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
+          grammar_hold.wrap_add_request, when=grammar_hold.hold_enabled),
+    Patch("grammar.release_compiled", _SCHEDULER + "._handle_blocked_waiting_request",
+          "a held grammar request is scheduled once compiled, or finished "
+          "with an error when its grammar does not compile",
+          _PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
+          grammar_hold.wrap_handle_blocked_waiting_request,
+          when=grammar_hold.hold_enabled),
+    Patch("grammar.report_matcher_errors", _RUNNER + ".sample_tokens",
+          "the step's output names the requests whose grammar failed in it",
+          _PINS + "test_runner_output_carries_matcher_errors",
+          grammar_hold.wrap_sample_tokens),
+    Patch("grammar.end_on_matcher_errors", _SCHEDULER + ".update_from_output",
+          "a request whose grammar failed ends with finish reason error, "
+          "not a silent stop",
+          _PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
+          grammar_hold.wrap_update_from_output),
     Patch("cpu.expand_batch_to_tokens",
           "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
           "vLLM's CPU build without Triton leaves per-request sampling "
@@ -118,7 +139,6 @@ PATCHES: tuple[Patch, ...] = (
 
 # Read, not replaced: each pinned in tests/test_bridge_pins.py.
 RELIED_ON: tuple[str, ...] = (
-    _RUNNER + ".sample_tokens",
     _RUNNER + "._bookkeeping_sync",
     _RUNNER + "._get_spec_decode_draft_probs",
     _RUNNER + ".get_model",

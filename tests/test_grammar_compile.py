@@ -1,0 +1,299 @@
+"""Grammar compilation off the engine loop, and grammar errors that end a request.
+
+No engine is started: a real vLLM ``Scheduler`` (with a small KV cache) is
+driven by hand with our patches applied, and the grammar processor is driven
+as vLLM's V1 input batch drives it.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("llguidance")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+
+from tests.processor_fixtures import processor_fixtures  # noqa: E402
+from vllm_plugins.bench.grammar_compile_ttft import large_schema  # noqa: E402
+from vllm_plugins.grammar.compile_cache import OnceCache, compile_pool, compile_request  # noqa: E402
+
+vllm_config, tokenizer = processor_fixtures("model_path", max_model_len=1024)
+
+
+def _salt() -> str:
+    return f"t{time.monotonic_ns()}_"
+
+
+# ---------------------------------------------------------------- the caches
+def test_once_cache_computes_a_key_once_for_all_threads():
+    cache = OnceCache(4)
+    calls = []
+
+    def make():
+        calls.append(1)
+        time.sleep(0.2)
+        return object()
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(cache.get("k", make)))
+               for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 6 and all(g is got[0] for g in got)
+
+
+def test_once_cache_forgets_failures_and_stays_bounded():
+    cache = OnceCache(2)
+    with pytest.raises(ZeroDivisionError):
+        cache.get("bad", lambda: 1 / 0)
+    assert cache.get("bad", lambda: 7) == 7  # tried again, not the kept error
+    for key in "abc":
+        cache.get(key, lambda: key)
+    assert len(cache) == 2 and cache.peek("a") is None and cache.peek("c") is not None
+
+
+@pytest.fixture(scope="module")
+def runtime(vllm_config):
+    from vllm_plugins.grammar.runtime import engine_runtime
+
+    return engine_runtime(vllm_config.model_config)
+
+
+def test_a_spec_is_compiled_once_and_the_worker_finds_it(runtime):
+    from vllm_plugins.grammar.spec import compile_grammar_request
+
+    raw = {"json_schema": large_schema(40, salt=_salt())}
+    first = compile_request(raw, lambda: runtime)
+    template = first.result(timeout=120)
+    again = compile_request(json.loads(json.dumps(raw)), lambda: runtime)
+    assert again.done() and again.result() is template
+    # What the grammar processor does in the worker: the same template.
+    assert runtime.template(compile_grammar_request(raw)) is template
+
+
+def _max_gap_while(fut_or_thread_alive) -> float:
+    """The longest time this thread went without running Python, while the
+    other thread works."""
+    gaps = []
+    last = time.perf_counter()
+    while fut_or_thread_alive():
+        sum(range(200))
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    return max(gaps)
+
+
+def test_llguidance_compiles_without_holding_the_gil(runtime):
+    """A compile on the pool leaves the engine thread running Python: its
+    longest pause is a small part of the compile. The control, a C loop that
+    holds the GIL for as long, pauses it for about its whole duration, so
+    the measurement can tell the two apart."""
+    raw = {"json_schema": large_schema(400, salt=_salt())}
+    start = time.perf_counter()
+    fut = compile_request(raw, lambda: runtime)
+    gap = _max_gap_while(lambda: not fut.done())
+    took = time.perf_counter() - start
+    fut.result()
+    assert took > 0.3, took  # a compile long enough to see a stall in
+    assert gap < 0.35 * took, (gap, took)
+
+    def hold_gil():
+        sum(range(int(1.5e7)))  # one C call: the GIL is not released
+
+    start = time.perf_counter()
+    control = compile_pool().submit(hold_gil)
+    control_gap = _max_gap_while(lambda: not control.done())
+    control_took = time.perf_counter() - start
+    assert control_gap > 0.5 * control_took, (control_gap, control_took)
+
+
+# ---------------------------------------------------------- a real scheduler
+@pytest.fixture(scope="module")
+def make_scheduler(vllm_config):
+    import vllm_plugins
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec)
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_plugins.register()
+    vllm_config.cache_config.num_gpu_blocks = 64
+    block = vllm_config.cache_config.block_size
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+
+    def make():
+        kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+        return Scheduler(vllm_config, kv, StructuredOutputManager(vllm_config),
+                         block_size=block)
+
+    return make
+
+
+def request(req_id: str, grammar=None, max_tokens: int = 8) -> Request:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0,
+                        extra_args=None if grammar is None else {"grammar": grammar})
+    sp.update_from_generation_config({}, 2)
+    return Request(req_id, [5, 6, 7], sp, None)
+
+
+def _runner_output(scheduler_output, tokens: dict[str, list[int]]):
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(scheduler_output.num_scheduled_tokens)
+    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                             sampled_token_ids=[tokens.get(r, [9]) for r in ids])
+
+
+def _outputs(engine_outputs) -> dict:
+    return {o.request_id: o for outs in engine_outputs.values() for o in outs.outputs}
+
+
+def test_scheduler_holds_a_grammar_request_until_it_is_compiled(make_scheduler):
+    from vllm_plugins.bridge.grammar_hold import PENDING_ATTR
+
+    sched = make_scheduler()
+    held = request("held", {"json_schema": large_schema(300, salt=_salt())})
+    sched.add_request(held)
+    sched.add_request(request("plain"))
+    assert held.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"plain"}  # the other is not stalled
+    sched.update_from_output(out, _runner_output(out, {}))
+    getattr(held, PENDING_ATTR).result(timeout=120)
+    out = sched.schedule()
+    assert "held" in out.num_scheduled_tokens and held.status == RequestStatus.RUNNING
+
+
+def test_compiled_grammars_and_plain_requests_are_not_held(make_scheduler, runtime):
+    raw = {"regex": "(ab)+"}
+    compile_request(raw, lambda: runtime).result(timeout=60)
+    sched = make_scheduler()
+    ready, plain = request("ready", raw), request("plain")
+    sched.add_request(ready)
+    sched.add_request(plain)
+    assert ready.status == plain.status == RequestStatus.WAITING
+    assert set(sched.schedule().num_scheduled_tokens) == {"ready", "plain"}
+
+
+def test_a_grammar_that_does_not_compile_in_the_engine_ends_with_an_error(make_scheduler):
+    from vllm.v1.engine import FinishReason
+
+    sched = make_scheduler()
+    bad = request("bad", {"regex": "a(b"})  # the front end would refuse it
+    sched.add_request(bad)
+    sched.add_request(request("plain"))
+    for _ in range(200):
+        out = sched.schedule()
+        assert "bad" not in out.num_scheduled_tokens
+        got = _outputs(sched.update_from_output(out, _runner_output(out, {})))
+        if "bad" in got:
+            break
+        time.sleep(0.01)
+    assert got["bad"].finish_reason == FinishReason.ERROR
+    assert bad.status == RequestStatus.FINISHED_ERROR
+
+
+def _running(sched, *reqs):
+    for r in reqs:
+        sched.add_request(r)
+    for _ in range(200):
+        out = sched.schedule()
+        if all(r.status == RequestStatus.RUNNING for r in reqs):
+            return out
+        sched.update_from_output(out, _runner_output(out, {}))
+        time.sleep(0.01)
+    raise AssertionError("requests never ran")
+
+
+@pytest.mark.parametrize("reported", [True, False], ids=["reported", "control"])
+def test_a_matcher_error_ends_the_request_with_an_error(make_scheduler, reported):
+    """The worker's report on the step's output finishes the request with
+    FINISHED_ERROR, and the token sampled after the error is not output;
+    the other request goes on. Without the report it would run on."""
+    from vllm.v1.engine import FinishReason
+
+    from vllm_plugins.bridge.grammar_hold import ERRORS_ATTR
+
+    sched = make_scheduler()
+    g, p = request("g", {"regex": "(ab)+"}), request("p")
+    out = _running(sched, g, p)
+    mro = _runner_output(out, {"g": [77], "p": [9]})
+    if reported:
+        setattr(mro, ERRORS_ATTR, {"g": "token rejected by the grammar"})
+    got = _outputs(sched.update_from_output(out, mro))
+    assert got["p"].new_token_ids == [9] and p.status == RequestStatus.RUNNING
+    if reported:
+        assert got["g"].finish_reason == FinishReason.ERROR and not got["g"].new_token_ids
+        assert g.status == RequestStatus.FINISHED_ERROR and 77 not in g.output_token_ids
+    else:
+        assert got["g"].finish_reason is None and got["g"].new_token_ids == [77]
+        assert g.status == RequestStatus.RUNNING
+
+
+# ---------------------------------------------------- the worker's report
+@pytest.fixture(scope="module")
+def tokenizer_ids(tokenizer):
+    return lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_processor_reports_a_matcher_error_once_by_batch_index(
+        vllm_config, tokenizer_ids):
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.logits_processor.state import LogitsProcessors
+
+    from vllm_plugins.bridge.grammar_hold import _take_matcher_errors
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    proc = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    vocab = vllm_config.model_config.get_vocab_size()
+    good, bad = [], []
+    sp = request("x", {"regex": "(ab)+"}).sampling_params
+    proc.update_state(BatchUpdate(2, [], [(0, sp, [1], good), (1, sp, [1], bad)], []))
+    proc.apply(torch.zeros(2, vocab))
+    assert proc.take_failures() == {}
+    good.extend(tokenizer_ids("ab"))
+    bad.extend(tokenizer_ids("xyz"))  # e.g. a later processor overrode the mask
+    proc.apply(torch.zeros(2, vocab))
+    batch = type("Batch", (), {})()
+    batch.logitsprocs = LogitsProcessors([proc])
+    batch.req_ids = ["req-good", "req-bad"]
+    errors = _take_matcher_errors(batch)
+    assert list(errors) == ["req-bad"] and errors["req-bad"]
+    proc.apply(torch.zeros(2, vocab))
+    assert _take_matcher_errors(batch) == {}  # reported once
+
+
+def test_the_report_rides_the_runner_output_to_another_process():
+    """Under a multiprocess executor the output rank's ModelRunnerOutput is
+    pickled to the engine core: our attribute goes with it."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    from vllm_plugins.bridge.grammar_hold import ERRORS_ATTR, _attach
+
+    out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
+                            sampled_token_ids=[[3]])
+    _attach(out, {"a": "why"})
+    assert getattr(pickle.loads(pickle.dumps(out)), ERRORS_ATTR) == {"a": "why"}
+    _attach(EMPTY_MODEL_RUNNER_OUTPUT, {"a": "why"})
+    assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, ERRORS_ATTR)
+
+    class Async:
+        def get_output(self):
+            return ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0})
+
+    later = Async()
+    _attach(later, {"b": "why"})
+    assert getattr(later.get_output(), ERRORS_ATTR) == {"b": "why"}

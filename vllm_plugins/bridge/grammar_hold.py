@@ -1,0 +1,211 @@
+"""The scheduler's side of our grammar requests: compile off the loop, end on error.
+
+Requests that carry ``extra_args["grammar"]`` (the grammar logits processor's
+argument, ``vllm_plugins.grammar.spec.GRAMMAR_KEY``) and nothing else:
+
+* **Hold until compiled.** When the engine core's scheduler receives such a
+  request, its matcher starts compiling on the compile pool
+  (``vllm_plugins.grammar.compile_cache``), and the request waits in vLLM's
+  own blocked-waiting state, ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR``, which
+  the scheduler skips without stalling anyone, exactly as it does for its
+  own structured outputs. Once the compile is done the request is promoted
+  to ``WAITING``; a compile that fails ends it with ``FINISHED_ERROR``
+  through the scheduler's own ``grammar_compile_error_reqs``. A grammar
+  already compiled in this process is not held at all.
+* **End on matcher error.** The grammar processor marks a request whose
+  output its grammar can no longer follow; after each step the model
+  runner's ``sample_tokens`` (wrapped here) hands those request ids to the
+  scheduler on the step's ``ModelRunnerOutput`` (an attribute of ours,
+  which pickles with it to a multiprocess executor's scheduler). The
+  scheduler drops that step's token of the request and finishes it with
+  ``FINISHED_ERROR``: finish reason ``error`` (HTTP 500 from the OpenAI
+  server, as for vLLM's own grammar errors), never a silent ``stop``.
+
+Under vLLM's uniprocess executor the worker runs in the engine-core process
+and finds the compiled template in the process-wide cache. With
+multiprocess workers (tensor parallel) the hold still keeps the request off
+the batch while the engine core compiles, but each worker process compiles
+its own matcher again when the request is first scheduled, on the loop
+(the caches are per process).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger("vllm_plugins")
+
+#: "0" compiles each grammar inside the engine step that first schedules its
+#: request, as before the hold existed (to compare the two; default "1").
+HOLD_ENV = "VLLM_PLUGINS_GRAMMAR_COMPILE_HOLD"
+
+#: Request attribute: the future of its grammar's compile while it is held.
+PENDING_ATTR = "_vllm_plugins_grammar_pending"
+#: ModelRunnerOutput attribute: {request id: reason} of this step's matcher errors.
+ERRORS_ATTR = "vllm_plugins_grammar_errors"
+
+
+def hold_enabled() -> bool:
+    """Whether the hold patches apply: :data:`HOLD_ENV`, read when the
+    patches are applied (start-up); a value other than 0 or 1 is refused."""
+    raw = os.environ.get(HOLD_ENV, "1").strip()
+    if raw not in ("0", "1"):
+        raise ValueError(f"{HOLD_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _grammar_spec(request: Any) -> Any | None:
+    from vllm_plugins.grammar.spec import GRAMMAR_KEY
+
+    params = getattr(request, "sampling_params", None)
+    extra = getattr(params, "extra_args", None)
+    if not extra or GRAMMAR_KEY not in extra:
+        return None
+    if getattr(request, "structured_output_request", None) is not None:
+        return None  # refused by validate_params; vLLM's own grammar governs
+    return extra[GRAMMAR_KEY]
+
+
+def wrap_add_request(original):
+    # vllm.v1.core.sched.scheduler.Scheduler.add_request(self, request): a
+    # new request id is enqueued by _enqueue_waiting_request, which puts a
+    # request in a blocked-waiting status into deferred_waiting.
+    @functools.wraps(original)
+    def add_request(self, request):
+        if request.request_id not in self.requests:
+            hold_until_compiled(self, request)
+        return original(self, request)
+
+    return add_request
+
+
+def hold_until_compiled(scheduler: Any, request: Any) -> None:
+    from vllm.v1.request import RequestStatus
+
+    from vllm_plugins.grammar.compile_cache import compile_request
+    from vllm_plugins.grammar.runtime import engine_runtime
+
+    raw = _grammar_spec(request)
+    if raw is None or request.status != RequestStatus.WAITING:
+        return
+    model_config = scheduler.vllm_config.model_config
+    pending = compile_request(raw, lambda: engine_runtime(model_config))
+    if pending.done() and pending.exception() is None:
+        return
+    setattr(request, PENDING_ATTR, pending)
+    request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+
+def wrap_handle_blocked_waiting_request(original):
+    # vllm.v1.core.sched.scheduler.Scheduler._handle_blocked_waiting_request(
+    #     self, request) -> bool: True when a blocked request may be scheduled
+    # now; vLLM's own branch for WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR reads
+    # request.structured_output_request, which our requests do not have.
+    @functools.wraps(original)
+    def _handle_blocked_waiting_request(self, request):
+        from vllm.v1.request import RequestStatus
+
+        pending = getattr(request, PENDING_ATTR, None)
+        if (pending is None or request.status
+                != RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR):
+            return original(self, request)
+        if not pending.done():
+            return False
+        error = pending.exception()
+        if error is not None:
+            logger.warning("request %s: its grammar does not compile in the engine "
+                           "(%s: %s); finished with an error", request.request_id,
+                           type(error).__name__, error)
+            self.grammar_compile_error_reqs.add(request.request_id)
+            return False
+        delattr(request, PENDING_ATTR)
+        request.status = RequestStatus.WAITING
+        return True
+
+    return _handle_blocked_waiting_request
+
+
+def wrap_sample_tokens(original):
+    # vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens(self,
+    # grammar_output) samples the step (logits processors run in it) and
+    # returns its ModelRunnerOutput, or an AsyncModelRunnerOutput whose
+    # get_output() gives it. input_batch.req_ids maps this step's rows to
+    # request ids until the next step's _update_states reorders the batch.
+    @functools.wraps(original)
+    def sample_tokens(self, grammar_output):
+        out = original(self, grammar_output)
+        errors = _take_matcher_errors(self.input_batch)
+        if errors:
+            _attach(out, errors)
+        return out
+
+    return sample_tokens
+
+
+def _take_matcher_errors(input_batch: Any) -> dict[str, str]:
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    procs = getattr(input_batch, "logitsprocs", None)
+    if procs is None:
+        return {}
+    errors: dict[str, str] = {}
+    req_ids = input_batch.req_ids
+    for proc in procs.all:
+        if isinstance(proc, GrammarLogitsProcessor):
+            for index, reason in proc.take_failures().items():
+                if index < len(req_ids) and req_ids[index] is not None:
+                    errors[req_ids[index]] = reason
+    return errors
+
+
+def _attach(out: Any, errors: dict[str, str]) -> None:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    if isinstance(out, ModelRunnerOutput):
+        if out is EMPTY_MODEL_RUNNER_OUTPUT:
+            return  # nothing was sampled: no request of this step to end
+        setattr(out, ERRORS_ATTR, {**getattr(out, ERRORS_ATTR, {}), **errors})
+        return
+    get_output = getattr(out, "get_output", None)
+    if get_output is None:
+        return  # intermediate tensors (pipeline parallel): not the output rank
+
+    def get_output_with_errors():
+        result = get_output()
+        _attach(result, errors)
+        return result
+
+    out.get_output = get_output_with_errors
+
+
+def wrap_update_from_output(original):
+    # vllm.v1.core.sched.scheduler.Scheduler.update_from_output(self,
+    # scheduler_output, model_runner_output): request ids in
+    # grammar_compile_error_reqs are finished with FINISHED_ERROR and get an
+    # output with that finish reason; an empty sampled-token list leaves a
+    # running request unchanged (as for a prefill chunk).
+    @functools.wraps(original)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        errors = getattr(model_runner_output, ERRORS_ATTR, None)
+        if errors:
+            end_on_matcher_errors(self, model_runner_output, errors)
+        return original(self, scheduler_output, model_runner_output)
+
+    return update_from_output
+
+
+def end_on_matcher_errors(scheduler: Any, output: Any, errors: dict[str, str]) -> None:
+    sampled = output.sampled_token_ids
+    for req_id, reason in errors.items():
+        request = scheduler.requests.get(req_id)
+        if request is None or request.is_finished():
+            continue
+        index = output.req_id_to_index.get(req_id)
+        if index is not None and index < len(sampled):
+            sampled[index] = []  # the token forced after the error is not output
+        logger.warning("request %s: its grammar cannot follow the output (%s); "
+                       "finished with an error", req_id, reason)
+        scheduler.grammar_compile_error_reqs.add(req_id)
