@@ -203,6 +203,10 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
         src += s
         dst += d
     tree_step.move_accepted_kv(runner.kv_caches, src, dst)
+    counters = state_of(runner).counters
+    counters.tree_steps += 1
+    counters.tree_requests += len(plan.requests)
+    counters.kv_moved += len(src)
     return out
 
 

@@ -36,6 +36,11 @@ class StepCounters:
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
+    # Tree verification: steps with a tree request, tree requests verified,
+    # and accepted nodes whose K/V moved to a chain slot.
+    tree_steps: int = 0
+    tree_requests: int = 0
+    kv_moved: int = 0
 
     def count(self, sampled_token_ids, num_draft: list[int] | None) -> None:
         self.steps += 1
@@ -49,7 +54,9 @@ class StepCounters:
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted,
-                "accepted": self.accepted, "tokens": self.tokens}
+                "accepted": self.accepted, "tokens": self.tokens,
+                "tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
+                "kv_moved": self.kv_moved}
 
 
 @dataclass
@@ -78,6 +85,7 @@ class RunnerState:
     trees: dict = field(default_factory=dict)
     tree_step: object = None
     tree_refusal: str | None = None
+    tree_layout_checked: bool = False
 
 
 def state_of(runner) -> RunnerState | None:

@@ -249,24 +249,17 @@ def depth_positions(step: TreeStep, positions: torch.Tensor) -> None:
 
 # --------------------------------------------------------------- attention
 
-def cpu_logical_caches(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU cache [num_blocks, kv_heads, block_size, 2 * head_size]
-    as key and value views [num_blocks, block_size, kv_heads, head_size]."""
-    num_blocks, heads, block_size, _ = kv_cache.shape
-    key, value = kv_cache.view(num_blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-    return key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
-
-
 def attend(step: TreeStep, impl, query: torch.Tensor, kv_cache: torch.Tensor,
            attn_metadata, output: torch.Tensor) -> None:
     """Tree requests' attention rows, recomputed with the ancestry mask over
     the paged cache vLLM just wrote (query, output: [tokens, heads, head])."""
+    from vllm_plugins.kernels.cache_layout import cpu_cache_views
     from vllm_plugins.kernels.tree_attention import tree_attention
 
     if attn_metadata.num_actual_tokens != step.num_tokens:
         raise RuntimeError(f"tree step planned for {step.num_tokens} tokens, attention "
                            f"runs {attn_metadata.num_actual_tokens}")
-    key_cache, value_cache = cpu_logical_caches(kv_cache)
+    key_cache, value_cache = cpu_cache_views(kv_cache)
     idx = step.token_index.to(query.device)
     req = step.req_index.to(attn_metadata.block_table.device)
     result = tree_attention(
@@ -295,13 +288,19 @@ def unsupported_attention(impl) -> str | None:
 
 
 def tree_refusal(model) -> str | None:
-    """Why this runner's model cannot serve tree steps, or None."""
+    """Why this runner's model cannot serve tree steps, or None. The CPU
+    backend picks its kernel ISA per layer (``layer.isa``) once the cache
+    exists: call again then."""
     for module in model.modules():
         impl = getattr(module, "impl", None)
         if impl is not None and hasattr(impl, "do_kv_cache_update"):
             why = unsupported_attention(impl)
             if why:
                 return why
+            if getattr(module, "isa", None) == "amx":
+                # kernels/cache_layout.py: AMX packs keys in an order no
+                # strided view describes.
+                return "tree drafts cannot read the CPU backend's AMX key layout"
     return None
 
 
@@ -397,6 +396,7 @@ def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
 
 def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
     """Every attention layer's K/V from src slots to dst slots (CPU layout)."""
+    from vllm_plugins.kernels.cache_layout import cpu_cache_views
     from vllm_plugins.kernels.kv_move import move_kv
 
     if not src:
@@ -406,7 +406,7 @@ def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
         if cache is None or cache.data_ptr() in seen:
             continue  # layers sharing one cache move it once
         seen.add(cache.data_ptr())
-        key, value = cpu_logical_caches(cache)
+        key, value = cpu_cache_views(cache)
         s = torch.tensor(src, dtype=torch.int64, device=cache.device)
         d = torch.tensor(dst, dtype=torch.int64, device=cache.device)
         move_kv(key, value, s, d)
