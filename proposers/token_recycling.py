@@ -18,6 +18,10 @@ Memory (stated, fixed at start): matrix vocab*k*(4+4) bytes (SmolLM2, k=8:
 3.0 MiB); context table context_slots*(8+4+4) bytes (default 2^20: 16 MiB);
 the walk's buffers, batch x num_speculative_tokens x 8 bytes, grown to the
 largest batch seen. Tables and walk: ``token_recycling_tables``.
+
+``"draft_shape": "tree"`` drafts a tree per request instead, up to
+``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
+sampling the tree path cannot serve (``tree_servable``) keep the chain.
 """
 
 from __future__ import annotations
@@ -28,12 +32,33 @@ from typing import Any
 
 import numpy as np
 
-from vllm_plugins.options import Option, flag, integer, positive_int, unit_float
+from vllm_plugins.options import Option, choice, flag, integer, positive_int, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, RecyclingTables,
                                                            warm_up)
+from vllm_plugins.proposers.token_recycling_tree import BUILDERS, TreeBuilder, learn_tree
+from vllm_plugins.proposers.token_recycling_tree import warm_up as warm_up_tree
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+
+
+def tree_servable(sampling_params) -> bool:
+    """Whether a request's sampling lets a tree be verified for it: not
+    when the output depends on more than the node's own row (penalties,
+    bad words, min_tokens read the output so far, which differs between
+    branches), nor when vLLM validates drafts as a chain (structured
+    outputs) or reports per-position logprobs."""
+    sp = sampling_params
+    if sp is None:
+        return True
+    return not (getattr(sp, "structured_outputs", None) is not None
+                or getattr(sp, "logprobs", None) is not None
+                or getattr(sp, "prompt_logprobs", None) is not None
+                or getattr(sp, "presence_penalty", 0.0) not in (0.0, None)
+                or getattr(sp, "frequency_penalty", 0.0) not in (0.0, None)
+                or getattr(sp, "repetition_penalty", 1.0) not in (1.0, None)
+                or getattr(sp, "bad_words", None)
+                or getattr(sp, "min_tokens", 0))
 
 
 def writes_shared_files() -> bool:
@@ -61,6 +86,9 @@ class TokenRecyclingProposer(PluginProposer):
         flag("seed_from_prompt", True),
         Option("warm_start_path", None, (str, type(None))),
         Option("save_path", None, (str, type(None))),
+        choice("draft_shape", "chain", ("chain", "tree")),
+        choice("tree_builder", "best_first", BUILDERS),
+        flag("context_branch", True),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
     CAN_REST = True   # drafts from the tables and each request's context
@@ -77,15 +105,24 @@ class TokenRecyclingProposer(PluginProposer):
             self.tables.load(o["warm_start_path"])
         self._seen: set[str] = set()
         self._walk: tuple[np.ndarray, ...] | None = None  # see _walk_buffers
+        self._tree = None
+        if o["draft_shape"] == "tree":
+            self._tree = TreeBuilder(self.tables, o["tree_builder"], o["context_branch"])
+        # Each request's last tree draft (tokens, parents): the next step's
+        # verified rows are read against it.
+        self._drafted_trees: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def load_model(self, target_model: Any) -> None:
         super().load_model(target_model)
         warm_up()  # numba compiles (or loads) the walk now, not in a step
+        if self._tree is not None:
+            warm_up_tree()
         if self.options["save_path"] and writes_shared_files():
             atexit.register(self.tables.save, self.options["save_path"])
 
     def free(self, req_id: str) -> None:
         self._seen.discard(req_id)
+        self._drafted_trees.pop(req_id, None)
 
     def learn(self, ctx: StepContext) -> None:
         """Tables <- every verified row of the step, all requests in one
@@ -104,6 +141,8 @@ class TokenRecyclingProposer(PluginProposer):
             if r.topk_ids is None or len(r.verified_tokens) == 0:
                 continue
             rows = len(r.verified_tokens)
+            if self._learn_tree(r):
+                continue
             inputs.append(r.verified_tokens)
             ids.append(r.topk_ids[:rows])
             lps.append(r.topk_logprobs[:rows])
@@ -125,6 +164,23 @@ class TokenRecyclingProposer(PluginProposer):
             t.learn_contexts(np.concatenate(seqs), np.concatenate(ends),
                              ids_all[:, 0], lps_all[:, 0], np.concatenate(starts))
 
+    def _learn_tree(self, r: RequestStep) -> bool:
+        """Learn a step that verified (a prefix of) this request's tree
+        draft, node by node along each node's own path; False when the
+        verified rows are a chain (the walk's learning applies)."""
+        drafted = self._drafted_trees.pop(r.req_id, None)
+        if drafted is None:
+            return False
+        tokens, parents = drafted
+        m = len(r.verified_tokens) - 1
+        if m < 2 or m > len(tokens) or not np.array_equal(r.verified_tokens[1:], tokens[:m]) \
+                or np.array_equal(parents[:m], np.arange(-1, m - 1)):
+            return False
+        base = len(r.context) - len(r.accepted)
+        learn_tree(self.tables, np.asarray(r.context[:base], np.int64), tokens[:m],
+                   parents[:m], r.topk_ids, r.topk_logprobs)
+        return True
+
     def _seed(self, prompt: np.ndarray) -> None:
         t = self.tables
         t.seed_matrix(prompt)
@@ -141,6 +197,14 @@ class TokenRecyclingProposer(PluginProposer):
         drafting = list(self.drafting_requests(ctx))
         if not drafting:
             return Drafts(tokens, None, conf)
+        if self._tree is not None:
+            return self._draft_trees(ctx, drafting, tokens, conf)
+        self._draft_chains(drafting, tokens, conf)
+        return Drafts(tokens, None, conf)
+
+    def _draft_chains(self, drafting, tokens, conf) -> None:
+        """The walk's chain for each (row, request, length) of ``drafting``,
+        into ``tokens`` and ``conf`` at its row."""
         order = max(self.tables.context_order, 1)
         rows, tails, tail_lens, lengths, out_tok, out_conf, out_len = \
             self._walk_buffers(len(drafting), max(length for _, _, length in drafting))
@@ -155,7 +219,26 @@ class TokenRecyclingProposer(PluginProposer):
             m = out_len[j]
             tokens[i] = out_tok[j, :m].tolist()
             conf[i] = out_conf[j, :m].astype(np.float32)
-        return Drafts(tokens, None, conf)
+
+    def _draft_trees(self, ctx: StepContext, drafting, tokens, conf) -> Drafts:
+        """Trees for the requests the tree path serves, chains for the rest
+        (``tree_servable``). A tree node's confidence is its probability
+        given its parent."""
+        parents: list[list[int] | None] = [None] * len(ctx.requests)
+        chains = []
+        for i, r, length in drafting:
+            if not tree_servable(r.sampling_params):
+                chains.append((i, r, length))
+                continue
+            tok, par, p = self._tree.build(np.asarray(r.context, np.int64), length,
+                                           self.options["min_confidence"])
+            tokens[i] = tok.tolist()
+            parents[i] = par.tolist()
+            conf[i] = p.astype(np.float32)
+            self._drafted_trees[r.req_id] = (tok, par)
+        if chains:
+            self._draft_chains(chains, tokens, conf)
+        return Drafts(tokens, None, conf, parents)
 
     def _walk_buffers(self, rows: int, length: int):
         """The walk's inputs and outputs for ``rows`` requests of drafts up
