@@ -21,7 +21,8 @@ largest batch seen. Tables and walk: ``token_recycling_tables``.
 
 ``"draft_shape": "tree"`` drafts a tree per request instead, up to
 ``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
-sampling the tree path cannot serve (``tree_servable``) keep the chain.
+sampling the tree path cannot serve (the bridge's ``tree_allowed``) keep the
+chain.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm_plugins.bridge.tree_step import tree_allowed
 from vllm_plugins.options import Option, choice, flag, integer, positive_int, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
@@ -40,37 +42,6 @@ from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, RecyclingT
 from vllm_plugins.proposers.token_recycling_tree import BUILDERS, TreeBuilder, learn_tree
 from vllm_plugins.proposers.token_recycling_tree import warm_up as warm_up_tree
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
-
-
-def tree_servable(sampling_params) -> bool:
-    """Whether a request's sampling lets a tree be verified for it: not
-    when the output depends on more than the node's own row (penalties,
-    bad words, min_tokens read the output so far, which differs between
-    branches), nor when vLLM validates drafts as a chain (structured
-    outputs) or reports per-position logprobs."""
-    sp = sampling_params
-    if sp is None:
-        return True
-    return not (getattr(sp, "structured_outputs", None) is not None
-                or getattr(sp, "logprobs", None) is not None
-                or getattr(sp, "prompt_logprobs", None) is not None
-                or getattr(sp, "presence_penalty", 0.0) not in (0.0, None)
-                or getattr(sp, "frequency_penalty", 0.0) not in (0.0, None)
-                or getattr(sp, "repetition_penalty", 1.0) not in (1.0, None)
-                or getattr(sp, "bad_words", None)
-                or getattr(sp, "min_tokens", 0))
-
-
-def writes_shared_files() -> bool:
-    """Whether this process writes files every rank would write alike
-    (``save_path``): the first process of torch.distributed's world, or the
-    only one. Tensor-parallel ranks hold the same tables (they learn from the
-    same gathered logits), so one copy is all of them; under data parallel
-    the first replica's tables are saved. Asked in ``load_model``: vLLM's
-    workers have joined the world by then, and at exit it may be gone."""
-    import torch.distributed as dist
-
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 class TokenRecyclingProposer(PluginProposer):
@@ -222,12 +193,12 @@ class TokenRecyclingProposer(PluginProposer):
 
     def _draft_trees(self, ctx: StepContext, drafting, tokens, conf) -> Drafts:
         """Trees for the requests the tree path serves, chains for the rest
-        (``tree_servable``). A tree node's confidence is its probability
-        given its parent."""
+        (the bridge's ``tree_allowed``). A tree node's confidence is its
+        probability given its parent."""
         parents: list[list[int] | None] = [None] * len(ctx.requests)
         chains = []
         for i, r, length in drafting:
-            if not tree_servable(r.sampling_params):
+            if not tree_allowed(r.sampling_params):
                 chains.append((i, r, length))
                 continue
             tok, par, p = self._tree.build(np.asarray(r.context, np.int64), length,

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer, tree_servable
+from vllm_plugins.bridge.tree_step import tree_allowed
+from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
 from vllm_plugins.proposers.token_recycling_tables import RecyclingTables, context_hash
 from vllm_plugins.proposers.token_recycling_tree import (BUILDERS, SPAN_MAX_MATCH,
                                                          SPAN_MIN_MATCH, TEMPLATE_PARENTS,
@@ -315,7 +316,7 @@ def test_proposer_drafts_trees_and_chains_where_trees_cannot_serve():
                             presence_penalty=0.0, frequency_penalty=0.0,
                             repetition_penalty=1.0, bad_words=[], min_tokens=0)
     penalised = SimpleNamespace(**{**vars(plain), "repetition_penalty": 1.2})
-    assert tree_servable(plain) and tree_servable(None) and not tree_servable(penalised)
+    assert tree_allowed(plain) and not tree_allowed(penalised)
     ctx = StepContext([_step("a", [1, 2, 3, 4, 5], [5], plain),
                        _step("b", [1, 2, 3, 4, 5], [5], penalised)], max_draft=16)
     d = p.step(ctx)
