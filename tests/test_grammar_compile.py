@@ -297,3 +297,40 @@ def test_the_report_rides_the_runner_output_to_another_process():
     later = Async()
     _attach(later, {"b": "why"})
     assert getattr(later.get_output(), ERRORS_ATTR) == {"b": "why"}
+
+
+# ------------------------------------------------------ deep $ref chains
+_REF_CHAIN = (
+    "import json\n"
+    "defs = {f'D{i}': {'$ref': f'#/$defs/D{i + 1}'} for i in range(3000)}\n"
+    "defs['D3000'] = {'type': 'integer'}\n"
+    "schema = json.dumps({'$defs': defs, '$ref': '#/$defs/D0'})\n"
+)
+
+
+def _run_python(code: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_a_long_ref_chain_neither_crashes_the_front_end_nor_the_engine(model_path):
+    """llguidance recurses through $ref chains on the calling thread's stack:
+    called directly on the main thread it kills the process (the control);
+    through our compile path (validation and matcher) it does not."""
+    control = _run_python(_REF_CHAIN + (
+        "import llguidance\n"
+        "grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)\n"
+        "llguidance.LLMatcher.validate_grammar_with_warnings(grammar)\n"))
+    assert control.returncode < 0, control  # killed by a signal (stack overflow)
+    ours = _run_python(_REF_CHAIN + (
+        "from transformers import AutoTokenizer\n"
+        "from vllm_plugins.grammar.runtime import runtime_for\n"
+        "from vllm_plugins.grammar.spec import compile_grammar_request\n"
+        f"tok = AutoTokenizer.from_pretrained({str(model_path)!r})\n"
+        "rt = runtime_for(tok, None, ('chain',))\n"
+        "m = rt.new_matcher(compile_grammar_request({'json_schema': schema}))\n"
+        "print('matcher', repr(m.get_error()))\n"))
+    assert ours.returncode == 0 and "matcher ''" in ours.stdout, ours

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import threading
+import weakref
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Hashable
 
 # Requests whose compile was started by the engine core, by the canonical
@@ -45,6 +47,13 @@ class OnceCache:
         self.size = size
         self._lock = threading.Lock()
         self._items: OrderedDict[Hashable, Future] = OrderedDict()
+        _CACHES.add(self)
+
+    def _after_fork(self) -> None:
+        # A compile in flight in the parent never finishes in the child.
+        self._lock = threading.Lock()
+        for key in [k for k, f in self._items.items() if not f.done()]:
+            del self._items[key]
 
     def _claim(self, key: Hashable) -> tuple[Future, bool]:
         with self._lock:
@@ -84,7 +93,7 @@ class OnceCache:
         """
         fut, mine = self._claim(key)
         if mine:
-            compile_pool().submit(self._run, key, fut, make)
+            compile_pool().submit(lambda: self._run(key, fut, make))
         return fut
 
     def peek(self, key: Hashable) -> Future | None:
@@ -95,8 +104,54 @@ class OnceCache:
         return len(self._items)
 
 
-_POOL: ThreadPoolExecutor | None = None
+_CACHES: weakref.WeakSet[OnceCache] = weakref.WeakSet()
+#: Stack of the threads that compile. llguidance recurses on the calling
+#: thread's stack, both in its JSON Schema conversion (through ``$ref``
+#: chains) and when it builds a matcher: a chain of a few thousand
+#: definitions overflows a default 8 MiB stack and kills the process (the
+#: API server in validate_params, or the engine), while on this stack
+#: llguidance's own size limit refuses such a schema first
+#: (``tests/test_grammar_compile.py``). Reserved, not committed: a thread
+#: touches only the stack it uses.
+DEEP_STACK_BYTES = 256 * 2**20
+_THREAD_PREFIX = "vllm-plugins-grammar"
+
+
+class _Pool:
+    """Threads with :data:`DEEP_STACK_BYTES` stacks, created up front (a
+    thread's stack size is fixed when it is created)."""
+
+    def __init__(self, threads: int, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        previous = threading.stack_size(DEEP_STACK_BYTES)
+        try:
+            for i in range(threads):
+                threading.Thread(target=self._serve, name=f"{_THREAD_PREFIX}-{name}-{i}",
+                                 daemon=True).start()
+        finally:
+            threading.stack_size(previous)
+
+    def _serve(self) -> None:
+        while True:
+            fut, fn = self._jobs.get()
+            _settle(fut, fn)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+
+_POOLS: dict[str, _Pool] = {}
 _POOL_LOCK = threading.Lock()
+
+
+def _pool(name: str, threads: int) -> _Pool:
+    with _POOL_LOCK:
+        pool = _POOLS.get(name)
+        if pool is None:
+            pool = _POOLS[name] = _Pool(threads, name)
+        return pool
 
 
 def _cores() -> int:
@@ -106,16 +161,35 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def compile_pool() -> ThreadPoolExecutor:
+def compile_pool() -> _Pool:
     """The process's compile threads: half the cores, at least one (vLLM's
     structured-output manager sizes its pool the same way: compiling is CPU
     work, and the engine needs the other half)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = ThreadPoolExecutor(max_workers=max(1, (_cores() + 1) // 2),
-                                       thread_name_prefix="vllm-plugins-grammar")
-        return _POOL
+    return _pool("compile", max(1, (_cores() + 1) // 2))
+
+
+def on_deep_stack(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a compile-sized stack: here when this is a compile thread,
+    else on a thread of its own while the caller waits (not queued behind
+    the pool's compiles)."""
+    if threading.current_thread().name.startswith(_THREAD_PREFIX):
+        return fn()
+    return _pool("inline", 1).submit(fn).result()
+
+
+def _reset_after_fork() -> None:
+    """vLLM forks engine processes from a process that may have compiled
+    already: the child has none of the parent's threads, so it starts its
+    own pools, and drops the compiles the parent had in flight."""
+    global _POOL_LOCK
+    _POOL_LOCK = threading.Lock()
+    _POOLS.clear()
+    for cache in list(_CACHES):
+        cache._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 _REQUESTS = OnceCache(_REQUEST_CACHE_SIZE)
@@ -148,9 +222,7 @@ def compile_request(raw: Any, runtime: Callable[[], Any]) -> Future:
 
     key = spec_text(raw)
     if key is None:
-        fut: Future = Future()
-        compile_pool().submit(lambda: _settle(fut, make))
-        return fut
+        return compile_pool().submit(make)
     return _REQUESTS.submit(key, make)
 
 

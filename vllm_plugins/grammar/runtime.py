@@ -18,7 +18,7 @@ import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
-from .compile_cache import OnceCache
+from .compile_cache import OnceCache, on_deep_stack
 from .spec import CompiledGrammar
 
 logger = logging.getLogger(__name__)
@@ -77,14 +77,12 @@ class GrammarRuntime:
     def template(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
         """The compiled matcher for ``compiled``'s grammar text (compiled once
         per process; never advanced: requests get copies)."""
-        return self._templates.get(
-            compiled.grammar,
+        return self._templates.get(compiled.grammar, lambda: on_deep_stack(
             lambda: llguidance.LLMatcher(
                 self.ll_tokenizer,
                 compiled.grammar,
                 log_level=int(os.environ.get("LLGUIDANCE_LOG_LEVEL", "0")),
-            ),
-        )
+            )))
 
     def new_matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
         return self.template(compiled).deep_copy()

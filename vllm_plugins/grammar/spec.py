@@ -274,7 +274,10 @@ def compile_grammar_request(raw: Any) -> CompiledGrammar:
     or llguidance's own compile error (bad schema, unsupported keyword, bad
     regex, bad Lark, a grammar over its size or depth limits).
     """
-    result = _COMPILED.get_or(_cache_key(raw), lambda: _compile_uncached(raw))
+    from .compile_cache import on_deep_stack  # llguidance recursion: see there
+
+    result = _COMPILED.get_or(_cache_key(raw),
+                              lambda: on_deep_stack(lambda: _compile_uncached(raw)))
     if isinstance(result, GrammarSpecError):
         raise GrammarSpecError(str(result))
     return result
