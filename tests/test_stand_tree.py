@@ -127,14 +127,21 @@ def target_after(last):
     return rng.dirichlet(np.ones(V) * 0.5)
 
 
-def first_two_tokens(store, draws, uniform_rows=False):
+def first_two_tokens(store, draws, uniform_rows=False, chain_prefix=False):
     """Emitted tokens of a STAND tree verified by the tree acceptance rule,
-    a second step drawn from the target when the first emitted one."""
+    a second step drawn from the target when the first emitted one.
+    ``chain_prefix``: the tree cut to its longest chain prefix, as the bridge
+    cuts trees it cannot verify (then verified as a chain)."""
     gen = torch.Generator().manual_seed(0)
     counts = np.zeros((V, V))
     for trial in range(draws):
         rng = np.random.default_rng(trial)
         tree = grow(store, 6, True, rng, min_path_prob=0.0)
+        if chain_prefix:
+            n = next((i for i, p in enumerate(tree.parents) if p != i - 1),
+                     len(tree.parents))
+            tree.tokens, tree.parents, tree.rows = (
+                tree.tokens[:n], tree.parents[:n], tree.rows[:n])
         rows = dense_rows(tree.rows, V)
         if uniform_rows:  # the dishonest control: not what was drawn from
             rows = (rows > 0) / (rows > 0).sum(1, keepdims=True)
@@ -150,10 +157,12 @@ def first_two_tokens(store, draws, uniform_rows=False):
     return counts
 
 
-@pytest.mark.parametrize("uniform_rows", [False, True])
-def test_sampled_output_through_a_stand_tree_is_the_targets(uniform_rows):
+@pytest.mark.parametrize("uniform_rows, chain_prefix", [
+    (False, False), (True, False), (False, True)],
+    ids=["tree", "tree-uniform-rows", "chain-prefix"])
+def test_sampled_output_through_a_stand_tree_is_the_targets(uniform_rows, chain_prefix):
     store = make_store(random_entries(np.random.default_rng(2)))
-    counts = first_two_tokens(store, 3000, uniform_rows)
+    counts = first_two_tokens(store, 3000, uniform_rows, chain_prefix)
     want = target_after(3)[:, None] * np.stack([target_after(t) for t in range(V)])
     pv = min(chi2_pvalue(counts.sum(1), target_after(3)),
              chi2_pvalue(counts.ravel(), want.ravel()))
