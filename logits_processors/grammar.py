@@ -36,15 +36,13 @@ end or go on, EOS is allowed along with the continuations.
 
 Failure: when a request's grammar cannot go on (its matcher errs, the worker
 cannot build it, or the last sampled token is not visible), the processor
-forces ``FAILURE_TEXT`` and then EOS, and logs the reason. A logits processor
-has no way to end one request with an error: it sees batch rows, not request
-ids, and only the scheduler sets a finish reason (vLLM finishes its own
-structured-output requests whose grammar rejects a token with
-``FINISHED_ERROR``, but that path is the scheduler's grammar only). Changing
-the request's ``stop`` strings in ``validate_params`` would name the failure
-as ``stop_reason``, but vLLM's validation must not mutate the caller's
-params. So the client sees finish reason ``stop`` and an answer that ends
-with ``FAILURE_TEXT`` (never a silent, truncated ``stop``).
+logs the reason and reports the request's batch row (``take_failures``): it
+sees rows, not request ids, and only the scheduler sets a finish reason. The
+bridge (``vllm_plugins.bridge.grammar_hold``) maps the rows to request ids
+after sampling and the scheduler finishes them with ``FINISHED_ERROR``
+(finish reason ``error``). Meanwhile, and where no bridge reads the report
+(V2 model runner), the row is forced to ``FAILURE_TEXT`` and then EOS, so an
+answer is never a silent, truncated ``stop``.
 """
 
 from __future__ import annotations
