@@ -1,0 +1,246 @@
+"""Tree drafts verified inside vLLM's engine: greedy output token for token
+that of plain decoding.
+
+The proposer here (``OracleTreeProposer``, registered for this module only)
+knows plain decoding's output (written by the reference engine to a file
+named by an environment variable) and builds trees whose accepted path never
+sits at the node indices a chain would use: every level has a wrong sibling
+before the right node, and the right branch turns wrong at a depth drawn per
+step. So every accepted node's K/V must move, positions must be by depth and
+attention by ancestry, or the output departs from plain decoding's. Odd
+prompts get chains, so each batch mixes both; one request asks for logprobs,
+which the tree path does not serve (it gets its chain prefix); a second wave
+of prompts extends the first prompts by part of their output, so with
+prefix caching on (vLLM's default) they start from blocks the tree steps
+filled.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tests.conftest import shutdown
+from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.step_context import Drafts
+
+pytestmark = pytest.mark.slow
+
+ORACLE_ENV = "VLLM_PLUGINS_TEST_TREE_ORACLE"
+MAX_TOKENS = 48
+NODES = 8
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "red blue green red blue green red blue green red blue",
+]
+EXTEND = 24  # output tokens the second wave's prompts carry
+
+
+class OracleTreeProposer(PluginProposer):
+    """Test-only: trees around the reference continuation (see module doc)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        with open(os.environ[ORACLE_ENV]) as f:
+            data = json.load(f)
+        self.refs = [np.asarray(s, dtype=np.int64) for s in data["sequences"]]
+        self.chain_prompts = {tuple(p) for p in data["chain_prompts"]}
+
+    def draft(self, ctx):
+        tokens, parents = [[] for _ in ctx.requests], [None for _ in ctx.requests]
+        for i, r, budget in self.drafting_requests(ctx):
+            ctx_tokens = np.asarray(r.context, dtype=np.int64)
+            ref = next((s for s in self.refs if len(s) > len(ctx_tokens)
+                        and np.array_equal(s[:len(ctx_tokens)], ctx_tokens)), None)
+            if ref is None:
+                continue
+            truth = [int(t) for t in ref[len(ctx_tokens):]]
+            rng = np.random.default_rng(len(ctx_tokens))
+            right = int(rng.integers(0, 4))  # the right branch's correct depth
+            prompt = tuple(int(t) for t in ctx_tokens[:r.num_prompt_tokens])
+            if prompt in self.chain_prompts:
+                tokens[i] = (truth[:right] + [truth[right] + 1 if right < len(truth)
+                                              else 1])[:budget]
+                continue
+            toks, par = tree_around(truth, right, budget)
+            tokens[i], parents[i] = toks, par
+        return Drafts(tokens, None, None, parents)
+
+
+def tree_around(truth, right, budget):
+    """At each level a wrong node first, then the next node of the right
+    branch (correct for ``right`` levels, then wrong); the wrong node of
+    the first level gets a child, so indices and depths differ everywhere."""
+    toks, par = [], []
+
+    def add(token, parent):
+        if len(toks) >= budget:
+            return None
+        toks.append(int(token) % 49152)
+        par.append(parent)
+        return len(toks) - 1
+
+    parent = -1
+    for depth, want in enumerate(truth):
+        wrong = add(want + 7, parent)
+        if depth == 0 and wrong is not None:
+            add(want + 11, wrong)
+        node = add(want if depth < right else want + 3, parent)
+        if node is None:
+            break
+        parent = node
+    return toks, par
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tests.tiny_model import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("tree") / "llama")
+
+
+def engine(model, spec):
+    from vllm import LLM
+
+    return LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
+               enforce_eager=True, seed=0, speculative_config=spec,
+               use_tqdm_on_load=False)
+
+
+def requests(prompt_ids, refs=None):
+    """First wave: the prompts; second wave: each prompt plus EXTEND tokens
+    of its reference output (prefix cache hits on tree-filled blocks)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    with_logprobs = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                   ignore_eos=True, logprobs=1)
+    first = [(TokensPrompt(prompt_token_ids=p), with_logprobs if i == 2 else greedy)
+             for i, p in enumerate(prompt_ids)]
+    if refs is None:
+        return first, []
+    second = [(TokensPrompt(prompt_token_ids=p + r[:EXTEND]), greedy)
+              for p, r in zip(prompt_ids, refs)]
+    return first, second
+
+
+def generate(llm, batch):
+    outs = llm.generate([p for p, _ in batch], [s for _, s in batch], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model, tmp_path_factory):
+    """Plain decoding: batch 4, batch 1, and the second wave."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    prompt_ids = [tok(p)["input_ids"] for p in PROMPTS]
+    llm = engine(tiny_model, None)
+    try:
+        first, _ = requests(prompt_ids)
+        batch4 = generate(llm, first)
+        batch1 = [generate(llm, [r])[0] for r in first[:2]]
+        _, second = requests(prompt_ids, batch4)
+        wave2 = generate(llm, second)
+    finally:
+        shutdown(llm)
+    path = tmp_path_factory.mktemp("oracle") / "oracle.json"
+    seqs = [p + o for p, o in zip(prompt_ids, batch4)]
+    path.write_text(json.dumps({"sequences": seqs,
+                                "chain_prompts": [prompt_ids[1], prompt_ids[3]]}))
+    return {"prompt_ids": prompt_ids, "batch4": batch4, "batch1": batch1,
+            "wave2": wave2, "oracle": str(path)}
+
+
+def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, monkeypatch):
+    from vllm_plugins.bench.engines import engine_stats
+    from vllm_plugins.registry import METHODS, register_method
+
+    monkeypatch.setenv(ORACLE_ENV, reference["oracle"])
+    # The engine core runs in this process: it looks methods up by name, and
+    # a method registered here exists only here.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    register_method("tree_oracle_test", f"{__name__}.OracleTreeProposer")
+    llm = None
+    try:
+        llm = engine(tiny_model, {"method": "tree_oracle_test",
+                                  "num_speculative_tokens": NODES})
+        first, _ = requests(reference["prompt_ids"])
+        got4 = generate(llm, first)
+        got1 = [generate(llm, [r])[0] for r in first[:2]]
+        _, second = requests(reference["prompt_ids"], reference["batch4"])
+        wave2 = generate(llm, second)
+        stats = engine_stats(llm)
+    finally:
+        METHODS.pop("tree_oracle_test", None)
+        if llm is not None:
+            shutdown(llm)
+    assert stats["proposer"]["num_errors"] == 0, stats
+    # Teeth: tree steps ran, paths were accepted off the chain's indices.
+    assert stats["tree_steps"] > 0 and stats["kv_moved"] > 0, stats
+    assert stats["accepted"] > 0, stats
+    for i, (g, w) in enumerate(zip(got4, reference["batch4"])):
+        assert g == w, ("batch 4", i)
+    for i, (g, w) in enumerate(zip(got1, reference["batch1"])):
+        assert g == w, ("batch 1", i)
+    for i, (g, w) in enumerate(zip(wave2, reference["wave2"])):
+        assert g == w, ("prefix-cached second wave", i)
+
+
+# ------------------------------------------------------ the default model
+# STAND's trees (its draft_shape option) against its chain with the same
+# node budget, greedy, on prompts that repeat with variations: where the
+# next word is ambiguous a tree holds several candidates, a chain one.
+REPEATS = [
+    "Monday: eggs. Tuesday: toast. Monday: eggs. Wednesday: rice. Monday: eggs. "
+    "Tuesday: toast. Monday: eggs. Wednesday: rice. Monday: eggs. Tuesday:",
+    "The cat sat on the mat. The dog sat on the rug. The cat sat on the mat. "
+    "The dog sat on the rug. The cat sat on the mat. The dog sat on the",
+]
+SMOL_TOKENS = 64
+
+
+def smol_engine(model_path, spec):
+    from vllm import LLM
+
+    return LLM(model=model_path, dtype="float32", max_model_len=512, max_num_seqs=2,
+               enforce_eager=True, seed=0, speculative_config=spec,
+               use_tqdm_on_load=False)
+
+
+def smol_run(llm):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=SMOL_TOKENS, ignore_eos=True)
+    outs = llm.generate(REPEATS, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_stand_tree_on_default_model_is_exact_and_beats_its_chain(model_path):
+    from vllm_plugins.bench.engines import engine_stats
+
+    results = {}
+    for name, spec in (("plain", None),
+                       ("chain", {"method": "stand", "num_speculative_tokens": NODES}),
+                       ("tree", {"method": "stand", "num_speculative_tokens": NODES,
+                                 "draft_shape": "tree"})):
+        llm = smol_engine(model_path, spec)
+        try:
+            results[name] = (smol_run(llm), engine_stats(llm) if spec else None)
+        finally:
+            shutdown(llm)
+    want = results["plain"][0]
+    for name in ("chain", "tree"):
+        got, stats = results[name]
+        assert stats["proposer"]["num_errors"] == 0, (name, stats)
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g == w, (name, i)
+    tree, chain = results["tree"][1], results["chain"][1]
+    assert tree["tree_steps"] > 0, tree
+    mat = {k: s["tokens"] / s["steps"] for k, s in (("tree", tree), ("chain", chain))}
+    assert mat["tree"] > mat["chain"], mat
