@@ -25,9 +25,17 @@ this grammar and to vLLM's own xgrammar backend, per dev schema):
 * a schema without ``type`` that has ``properties`` is an object, one with
   ``items`` or ``prefixItems`` an array (xgrammar infers these two, nothing
   else);
+* the first of ``$ref``, ``const``, ``enum``, ``anyOf``, ``oneOf``, ``allOf``
+  a schema has is read alone: xgrammar ignores every other assertion beside
+  it, where JSON Schema (and llguidance) intersect them;
+* ``pattern`` and ``patternProperties`` keys match the whole string
+  (xgrammar), not a substring (JSON Schema, llguidance);
 * ``oneOf`` is compiled as ``anyOf`` (llguidance's ``coerce_one_of``; xgrammar
   does the same), and keywords llguidance does not implement are ignored
   with a warning (``lenient``; xgrammar ignores them too, e.g. ``not``).
+
+Where the rewritten schema does not compile, ``spec`` compiles the schema as
+JSON Schema reads it, as vLLM's ``auto`` falls back to guidance.
 """
 
 from __future__ import annotations
