@@ -270,3 +270,63 @@ def test_a_tree_with_bad_parents_goes_out_as_its_chain_prefix():
                                                           [[-1, 0, 3, 1]]),
                                      lambda _: None, capable=True)
     assert out == [[5, 6]] and trees == {}
+
+
+def sampling_metadata(temperature, top_k, generators):
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    b = len(temperature)
+    return SamplingMetadata(
+        temperature=torch.tensor(temperature, dtype=torch.float32), all_greedy=False,
+        all_random=False, top_p=None, top_k=torch.tensor(top_k, dtype=torch.int32),
+        generators=generators, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(b),
+        presence_penalties=torch.zeros(b), repetition_penalties=torch.ones(b),
+        output_token_ids=[[] for _ in range(b)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=None)
+
+
+def test_sampled_acceptance_draws_from_vllms_processed_rows():
+    """First emitted token of a sampled tree request against vLLM's own
+    processing (temperature, then top-k) of its root row; the unprocessed
+    row, the control, is told apart. A seeded request draws from its own
+    generator only."""
+    import vllm_plugins
+    from tests.test_stand import chi2_pvalue
+
+    vllm_plugins.register()  # vLLM's CPU build needs the bridge's expand fix
+    plan, _, _, _, _ = make_plan([("chain", 2, 3), ("tree", TREE_A, 5), ("tree", TREE_B, 7)])
+    vocab = 12
+    temps, top_k = [0.0, 0.5, 1.0], [vocab, 4, vocab]
+    num_draft = [1, len(TREE_A), len(TREE_B)]
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(sum(n + 1 for n in num_draft), vocab, generator=gen) * 2
+    starts = tree_step.request_rows(plan, num_draft)
+    index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
+                       for s, r in zip(starts, plan.requests)])
+    tree_logits = logits[index]
+    params = [SimpleNamespace(temperature=0.5), SimpleNamespace(temperature=1.0)]
+    trials = 1500
+    torch.manual_seed(0)
+    counts = np.zeros(vocab)
+    seeded = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: a thread pool only adds waiting
+    try:
+        for t in range(trials):
+            meta = sampling_metadata(temps, top_k, {2: torch.Generator().manual_seed(t % 7)})
+            got = tree_step.accept(plan, params, tree_logits, num_draft, meta)
+            counts[got[0].tokens[0]] += 1
+            seeded.append(tuple(got[1].tokens))
+    finally:
+        torch.set_num_threads(threads)
+    root = tree_logits[0] / 0.5
+    kth = root.topk(4).values[-1]
+    want = torch.softmax(root.masked_fill(root < kth, float("-inf")), dim=-1).numpy()
+    assert chi2_pvalue(counts[want > 0], want[want > 0]) > 1e-3
+    assert counts[want == 0].sum() == 0
+    control = torch.softmax(tree_logits[0], dim=-1).numpy()
+    assert chi2_pvalue(counts, control) < 1e-6
+    # Same seed, same draw, whatever the unseeded request drew.
+    for t in range(7, trials, 97):
+        assert seeded[t] == seeded[t % 7]
