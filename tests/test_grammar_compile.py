@@ -334,3 +334,47 @@ def test_a_long_ref_chain_neither_crashes_the_front_end_nor_the_engine(model_pat
         "m = rt.new_matcher(compile_grammar_request({'json_schema': schema}))\n"
         "print('matcher', repr(m.get_error()))\n"))
     assert ours.returncode == 0 and "matcher ''" in ours.stdout, ours
+
+
+def test_grammar_forced_engines_also_wait_for_the_drafts_matcher(model_path):
+    """With grammar_forced drafts, a vLLM structured-output request is
+    released only once the proposer's llguidance matcher is compiled too, so
+    the proposer finds it instead of compiling it inside a step."""
+    import vllm_plugins
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,
+                                            KVCacheGroupSpec)
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from vllm_plugins.grammar.runtime import engine_runtime
+    from vllm_plugins.grammar.structured_outputs import grammar_for
+
+    vllm_plugins.register()
+    cfg = EngineArgs(model=model_path, max_model_len=1024, enforce_eager=True,
+                     dtype="float32", speculative_config={
+                         "method": "grammar_forced", "num_speculative_tokens": 3},
+                     ).create_engine_config()
+    cfg.cache_config.num_gpu_blocks = 64
+    block = cfg.cache_config.block_size
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8,
+                             dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                       kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    sched = Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=block)
+    so = StructuredOutputsParams(json=large_schema(200, salt=_salt()))
+    so._backend = "guidance"  # what the front end sets
+    sp = SamplingParams(max_tokens=4, structured_outputs=so)
+    sp.update_from_generation_config({}, 2)
+    req = Request("so", [5, 6, 7], sp, None)
+    sched.structured_output_manager.grammar_init(req)  # what the engine core does
+    sched.add_request(req)
+    for _ in range(1000):
+        if "so" in sched.schedule().num_scheduled_tokens:
+            break
+        time.sleep(0.01)
+    assert req.status == RequestStatus.RUNNING
+    ours = engine_runtime(cfg.model_config)._templates.peek(
+        grammar_for(so, cfg.structured_outputs_config).grammar)
+    assert ours is not None and ours.done() and ours.exception() is None

@@ -21,6 +21,10 @@ argument, ``vllm_plugins.grammar.spec.GRAMMAR_KEY``) and nothing else:
   ``FINISHED_ERROR``: finish reason ``error`` (HTTP 500 from the OpenAI
   server, as for vLLM's own grammar errors), never a silent ``stop``.
 
+A request with vLLM's own structured outputs already waits for vLLM's
+grammar; on an engine drafting with ``grammar_forced`` it also waits for the
+llguidance matcher the proposer drafts with, compiled on the same pool.
+
 Under vLLM's uniprocess executor the worker runs in the engine-core process
 and finds the compiled template in the process-wide cache. With
 multiprocess workers (tensor parallel) the hold still keeps the request off
@@ -88,15 +92,53 @@ def hold_until_compiled(scheduler: Any, request: Any) -> None:
     from vllm_plugins.grammar.compile_cache import compile_request
     from vllm_plugins.grammar.runtime import engine_runtime
 
+    model_config = scheduler.vllm_config.model_config
+    if (request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            and _drafts_with_grammar(scheduler.vllm_config)):
+        _also_wait_for_draft_grammar(scheduler.vllm_config, request)
+        return
     raw = _grammar_spec(request)
     if raw is None or request.status != RequestStatus.WAITING:
         return
-    model_config = scheduler.vllm_config.model_config
     pending = compile_request(raw, lambda: engine_runtime(model_config))
     if pending.done() and pending.exception() is None:
         return
     setattr(request, PENDING_ATTR, pending)
     request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+
+def _drafts_with_grammar(vllm_config: Any) -> bool:
+    """Whether this engine drafts with grammar_forced, whose matcher follows
+    vLLM's own structured outputs (and whose drafts a reasoning parser
+    switches off)."""
+    from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+
+    options = getattr(vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR, None)
+    so_config = vllm_config.structured_outputs_config
+    return (bool(options) and options.get("method") == "grammar_forced"
+            and not (getattr(so_config, "reasoning_parser", None)
+                     and not getattr(so_config, "enable_in_reasoning", False)))
+
+
+def _also_wait_for_draft_grammar(vllm_config: Any, request: Any) -> None:
+    """A vLLM structured-output request already waits for vLLM's grammar;
+    under grammar_forced it also waits for the llguidance matcher the
+    proposer drafts with, compiled on the pool (a spec llguidance cannot
+    compile only costs the request its forced drafts: it is not an error)."""
+    from vllm_plugins.grammar.compile_cache import compile_pool
+    from vllm_plugins.grammar.runtime import engine_runtime
+    from vllm_plugins.grammar.structured_outputs import grammar_for
+
+    so = request.sampling_params.structured_outputs
+    so_config = vllm_config.structured_outputs_config
+    model_config = vllm_config.model_config
+
+    def make():
+        compiled = grammar_for(so, so_config)
+        if compiled is not None:
+            engine_runtime(model_config).template(compiled)
+
+    setattr(request, PENDING_ATTR, compile_pool().submit(make))
 
 
 def wrap_handle_blocked_waiting_request(original):
@@ -114,6 +156,9 @@ def wrap_handle_blocked_waiting_request(original):
             return original(self, request)
         if not pending.done():
             return False
+        if request.structured_output_request is not None:
+            delattr(request, PENDING_ATTR)  # our drafts' matcher: vLLM's grammar decides
+            return original(self, request)
         error = pending.exception()
         if error is not None:
             logger.warning("request %s: its grammar does not compile in the engine "
