@@ -38,6 +38,9 @@ MODES = {
         "native", {"method": "grammar_forced", "inner": "token_recycling",
                    "num_speculative_tokens": 6}),
     "ours": ("ours", None),
+    "ours+grammar_forced(token_recycling)": (
+        "ours", {"method": "grammar_forced", "inner": "token_recycling",
+                 "num_speculative_tokens": 6}),
 }
 
 
