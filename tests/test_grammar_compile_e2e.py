@@ -1,6 +1,6 @@
 """End to end: grammar compiles off the engine loop; a grammar error ends its request.
 
-Slow (one engine start with the default model, about 1.5 min here):
+Slow (one engine start with the default model, about 40 s here):
 ``pytest -m slow tests/test_grammar_compile_e2e.py``. The grammar processor
 comes from its entry point; a test-only processor listed after it forces a
 token the grammar rejects, the way another component overriding the mask
