@@ -1,0 +1,190 @@
+"""Logits processors under speculation, end to end (SmolLM2, two engines).
+
+The reference is vLLM without speculation running the same processors (our
+grammar processor given explicitly, vLLM's own min_p and logit_bias); the
+speculating engine drafts with grammar_forced around token_recycling, which
+drafts the grammar's forced text for grammar requests and token_recycling's
+tokens for the others. Greedy output must be identical per processor;
+sampled, the first tokens' distribution must be the reference's (chi-square),
+and the same test must catch a biased control (the processors left out).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import shutdown
+
+pytestmark = pytest.mark.slow
+
+FQCN = "vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor"
+SPEC = {"method": "grammar_forced", "inner": "token_recycling",
+        "num_speculative_tokens": 4}
+RGB = "red blue green red blue green red blue green red blue green red blue"
+COUNT = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
+# Literal text between the free parts: the grammar forces it, and drafts it.
+RECORD = r'\{"colour": "(red|blue|green)", "count": [0-9]{1,3}, "next": "[a-z ]{1,12}"\}'
+GREEDY_TOKENS = 48
+SAMPLES = 256
+TOKENS = 3
+COLOURS = r"( red| blue| green| yellow){4}"
+
+
+def engine(model_path, spec):
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(model=model_path, dtype="float32", max_model_len=512, max_num_seqs=64,
+               enforce_eager=True, seed=0, logits_processors=[FQCN],
+               speculative_config=dict(spec) if spec else None,
+               kv_cache_memory_bytes=256 * 2**20, disable_log_stats=False,
+               use_tqdm_on_load=False)
+
+
+@pytest.fixture(scope="module")
+def plain(model_path):
+    llm = engine(model_path, None)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def spec(model_path, plain):
+    llm = engine(model_path, SPEC)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.fixture(scope="module")
+def tok(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def greedy_cases(tok):
+    """(name, prompt, SamplingParams kwargs) with temperature 0."""
+    yellow = tok.encode(" yellow", add_special_tokens=False)[0]
+    comma = tok.encode(",", add_special_tokens=False)[0]
+    return [
+        ("grammar", "Write one record as JSON:",
+         {"extra_args": {"grammar": {"regex": RECORD}}}),
+        ("grammar_rgb", RGB, {"extra_args": {"grammar": {"regex": COLOURS + "\\."}}}),
+        ("logit_bias", RGB, {"logit_bias": {yellow: 9.0}}),
+        ("logit_bias_count", COUNT, {"logit_bias": {comma: -4.0}}),
+        ("min_p", COUNT, {"min_p": 0.3}),
+        ("none", RGB, {}),
+    ]
+
+
+def generate(llm, cases, **common):
+    from vllm import SamplingParams
+
+    prompts = [p for _, p, _ in cases]
+    params = [SamplingParams(**{**common, **kw}) for _, _, kw in cases]
+    return [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def stats(llm):
+    from vllm_plugins.bench.engines import engine_stats
+
+    return engine_stats(llm)
+
+
+def test_greedy_identical_per_processor(plain, spec, tok):
+    cases = greedy_cases(tok)
+    kw = dict(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    ref = generate(plain, cases, **kw)
+    # Each processor changes plain decoding's output: the comparison has teeth.
+    names = [n for n, _, _ in cases]
+    bare = generate(plain, [(n, p, {}) for n, p, _ in cases], **kw)
+    for name in ("grammar", "grammar_rgb", "logit_bias", "logit_bias_count"):
+        i = names.index(name)
+        assert ref[i] != bare[i], name
+    accepted = {}
+    got = []
+    for case in cases:  # one at a time: the acceptance is the case's own
+        before = stats(spec)
+        got += generate(spec, [case], **kw)
+        after = stats(spec)
+        accepted[case[0]] = after.get("accepted", 0) - before.get("accepted", 0)
+    for name, r, g in zip(names, ref, got):
+        assert g == r, (name, tok.decode(r), tok.decode(g))
+    print("accepted drafts per case:", accepted)
+    assert accepted["grammar"] > 0 and accepted["logit_bias"] > 0, accepted
+    assert sum(accepted.values()) > GREEDY_TOKENS, accepted
+    p = stats(spec)["proposer"]
+    assert p["num_errors"] == 0 and p["forced_tokens"] > 0, p
+    assert p["grammar_requests"] >= 2, p
+
+
+def test_aligned_requests_served_without_drafts_sample_as_plain(plain, spec):
+    """ASAp learns across samples of one prompt: seeded samples, in order,
+    are the reference's sample for sample."""
+    from vllm import SamplingParams
+
+    def run(llm):
+        before = stats(llm) if llm is spec else {}
+        outs = []
+        for seed in range(3):
+            sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=12,
+                                extra_args={"grammar": {"regex": COLOURS,
+                                                        "aligned": True}})
+            outs.append(list(llm.generate([RGB], sp, use_tqdm=False)[0]
+                             .outputs[0].token_ids))
+        drafted = (stats(llm).get("drafted", 0) - before.get("drafted", 0)
+                   if llm is spec else 0)
+        return outs, drafted
+
+    ref, _ = run(plain)
+    got, drafted = run(spec)
+    assert got == ref
+    assert drafted == 0
+
+
+def first_tokens(llm, prompt_ids, seed0, **kw):
+    """First TOKENS tokens of SAMPLES seeded temperature-1 answers."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    eng = llm.llm_engine
+    ids = [f"chi{seed0}-{i}" for i in range(SAMPLES)]
+    toks = {r: [] for r in ids}
+    for k, r in enumerate(ids):
+        sp = SamplingParams(temperature=1.0, max_tokens=TOKENS + 1, seed=seed0 + k,
+                            output_kind=RequestOutputKind.DELTA, **kw)
+        eng.add_request(r, {"prompt_token_ids": prompt_ids}, sp)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            toks[o.request_id].extend(o.outputs[0].token_ids)
+    return [tuple(toks[r][:TOKENS]) for r in ids]
+
+
+def test_sampled_distribution_unchanged_with_a_biased_control(plain, spec, tok):
+    from tests.test_stand_e2e import homogeneity_pvalue
+
+    prompt = tok(RGB)["input_ids"]
+    yellow = tok.encode(" yellow", add_special_tokens=False)[0]
+    kw = dict(min_p=0.1, logit_bias={yellow: 3.0},
+              extra_args={"grammar": {"regex": COLOURS}})
+    ref = first_tokens(plain, prompt, 0, **kw)
+    before = stats(spec)
+    got = first_tokens(spec, prompt, 10_000, **kw)
+    after = stats(spec)
+    drafted = after.get("drafted", 0) - before.get("drafted", 0)
+    accepted = after.get("accepted", 0) - before.get("accepted", 0)
+    p = homogeneity_pvalue(ref, got)
+    print(f"drafted {drafted}, accepted {accepted}, p = {p:.3g}")
+    assert drafted > SAMPLES and accepted > SAMPLES // 4, (drafted, accepted)
+    assert p > 0.01, p
+    # The control: the same engine without the processors' effect on the
+    # rows (no min_p, no bias: what drafted rows would get if the bridge
+    # left them out) must be told apart from the reference.
+    control = first_tokens(spec, prompt, 20_000,
+                           extra_args={"grammar": {"regex": COLOURS}})
+    pc = homogeneity_pvalue(ref, control)
+    print(f"control p = {pc:.3g}")
+    assert pc < 1e-4, pc
