@@ -121,9 +121,8 @@ class _Pool:
     """Threads with :data:`DEEP_STACK_BYTES` stacks, created up front (a
     thread's stack size is fixed when it is created)."""
 
-    def __init__(self, threads: int, name: str, nice: int = 0):
+    def __init__(self, threads: int, name: str):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._nice = nice
         previous = threading.stack_size(DEEP_STACK_BYTES)
         try:
             for i in range(threads):
@@ -133,11 +132,6 @@ class _Pool:
             threading.stack_size(previous)
 
     def _serve(self) -> None:
-        if self._nice:
-            try:  # Linux: a thread id names the thread alone
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self._nice)
-            except (AttributeError, OSError):
-                pass
         while True:
             fut, fn = self._jobs.get()
             _settle(fut, fn)
@@ -152,11 +146,11 @@ _POOLS: dict[str, _Pool] = {}
 _POOL_LOCK = threading.Lock()
 
 
-def _pool(name: str, threads: int, nice: int = 0) -> _Pool:
+def _pool(name: str, threads: int) -> _Pool:
     with _POOL_LOCK:
         pool = _POOLS.get(name)
         if pool is None:
-            pool = _POOLS[name] = _Pool(threads, name, nice)
+            pool = _POOLS[name] = _Pool(threads, name)
         return pool
 
 
@@ -167,17 +161,12 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-#: Niceness of the compile threads: a compile yields the cores to the engine
-#: (whose forward runs OpenMP threads on every core and waits for the
-#: slowest) and uses what the engine leaves.
-COMPILE_NICE = 19
-
-
 def compile_pool() -> _Pool:
     """The process's compile threads: half the cores, at least one (vLLM's
     structured-output manager sizes its pool the same way: compiling is CPU
-    work, and the engine needs the other half), at :data:`COMPILE_NICE`."""
-    return _pool("compile", max(1, (_cores() + 1) // 2), COMPILE_NICE)
+    work, and the engine needs the other half). Not niced: a niced compile
+    starves behind a busy engine, and its held request with it."""
+    return _pool("compile", max(1, (_cores() + 1) // 2))
 
 
 def on_deep_stack(fn: Callable[[], Any]) -> Any:
