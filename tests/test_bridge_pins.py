@@ -551,3 +551,24 @@ def test_runner_output_carries_matcher_errors():
     assert not hasattr(ModelRunnerOutput, "__slots__")
     assert isinstance(LogitsProcessors.__dict__["all"], property)
 
+
+def test_scheduler_output_reaches_every_worker_with_held_specs():
+    # bridge/grammar_hold.py: Scheduler.schedule returns the SchedulerOutput
+    # that every worker's execute_model receives (CPUWorker inherits it);
+    # an attribute of ours pickles with it to worker processes.
+    import dataclasses
+
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+
+    import vllm_plugins
+
+    vllm_plugins.register()
+    assert "execute_model" not in vars(CPUWorker) and issubclass(CPUWorker, Worker)
+    assert params(Worker.execute_model)[:2] == ["self", "scheduler_output"]
+    assert "return scheduler_output" in inspect.getsource(Scheduler.schedule.__wrapped__)
+    assert dataclasses.is_dataclass(SchedulerOutput)
+    assert not hasattr(SchedulerOutput, "__slots__")
+

@@ -378,3 +378,32 @@ def test_grammar_forced_engines_also_wait_for_the_drafts_matcher(model_path):
     ours = engine_runtime(cfg.model_config)._templates.peek(
         grammar_for(so, cfg.structured_outputs_config).grammar)
     assert ours is not None and ours.done() and ours.exception() is None
+
+
+def test_held_specs_go_to_the_workers_once_and_start_their_compile(
+        make_scheduler, vllm_config):
+    """Worker processes have caches of their own: the step after a hold
+    names the held spec on its SchedulerOutput (which pickles to them), and
+    a worker starts compiling it at once."""
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge.grammar_hold import PRECOMPILE_ATTR, wrap_worker_execute_model
+    from vllm_plugins.grammar import compile_cache
+
+    sched = make_scheduler()
+    raw = {"json_schema": large_schema(100, salt=_salt())}
+    sched.add_request(request("held", raw))
+    out = sched.schedule()
+    assert getattr(out, PRECOMPILE_ATTR) == [raw]
+    assert not hasattr(sched.schedule(), PRECOMPILE_ATTR)  # sent once
+    sent = pickle.loads(pickle.dumps(out))
+    # A worker process: the spec's compile is started before the step runs.
+    compile_cache._REQUESTS._after_fork()  # as a fresh process would see it
+    key = compile_cache.spec_text(raw)
+    with compile_cache._REQUESTS._lock:
+        compile_cache._REQUESTS._items.pop(key, None)
+    seen = []
+    worker = SimpleNamespace(vllm_config=vllm_config)
+    wrap_worker_execute_model(lambda self, so: seen.append(so))(worker, sent)
+    assert seen == [sent] and compile_cache._REQUESTS.peek(key) is not None
+    compile_cache._REQUESTS.peek(key).result(timeout=120)

@@ -27,10 +27,12 @@ llguidance matcher the proposer drafts with, compiled on the same pool.
 
 Under vLLM's uniprocess executor the worker runs in the engine-core process
 and finds the compiled template in the process-wide cache. With
-multiprocess workers (tensor parallel) the hold still keeps the request off
-the batch while the engine core compiles, but each worker process compiles
-its own matcher again when the request is first scheduled, on the loop
-(the caches are per process).
+multiprocess workers (tensor parallel; vLLM's CPU build at any size) the
+caches are per process: the step that follows a hold carries the held
+specs on its ``SchedulerOutput`` and each worker starts compiling them on
+its own pool at once, so when the engine core releases the request the
+worker's compile has run alongside it (a worker that is still compiling
+then waits for the rest of it, inside that step).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ HOLD_ENV = "VLLM_PLUGINS_GRAMMAR_COMPILE_HOLD"
 PENDING_ATTR = "_vllm_plugins_grammar_pending"
 #: ModelRunnerOutput attribute: {request id: reason} of this step's matcher errors.
 ERRORS_ATTR = "vllm_plugins_grammar_errors"
+#: SchedulerOutput attribute: specs of requests held this step, which the
+#: workers start compiling at once (their own process's cache).
+PRECOMPILE_ATTR = "vllm_plugins_grammar_precompile"
 
 
 def hold_enabled() -> bool:
@@ -105,6 +110,47 @@ def hold_until_compiled(scheduler: Any, request: Any) -> None:
         return
     setattr(request, PENDING_ATTR, pending)
     request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+    # Worker processes (multiprocess executor) compile it meanwhile too.
+    scheduler.__dict__.setdefault("_vllm_plugins_precompile", []).append(raw)
+
+
+def wrap_schedule(original):
+    # vllm.v1.core.sched.scheduler.Scheduler.schedule(self, ...) returns the
+    # step's SchedulerOutput, which the executor hands to every worker
+    # (pickled to worker processes, with an attribute of ours).
+    @functools.wraps(original)
+    def schedule(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        specs = self.__dict__.pop("_vllm_plugins_precompile", None)
+        if specs:
+            setattr(out, PRECOMPILE_ATTR, specs)
+        return out
+
+    return schedule
+
+
+def wrap_worker_execute_model(original):
+    # vllm.v1.worker.gpu_worker.Worker.execute_model(self, scheduler_output),
+    # CPUWorker's too, runs in each worker for every step the engine
+    # executes.
+    @functools.wraps(original)
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        specs = getattr(scheduler_output, PRECOMPILE_ATTR, None)
+        if specs:
+            start_compiles(self.vllm_config.model_config, specs)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return execute_model
+
+
+def start_compiles(model_config: Any, specs: list) -> None:
+    """Start compiling held requests' specs on this process's pool (in the
+    engine-core process under a uniprocess executor: the same compile)."""
+    from vllm_plugins.grammar.compile_cache import compile_request
+    from vllm_plugins.grammar.runtime import engine_runtime
+
+    for raw in specs:
+        compile_request(raw, lambda: engine_runtime(model_config))
 
 
 def _drafts_with_grammar(vllm_config: Any) -> bool:
