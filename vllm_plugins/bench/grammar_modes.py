@@ -16,6 +16,8 @@ goes first. Per mode:
   backend for native, ``compile_grammar_request`` for ours);
 * valid: outputs that finished before ``--max-tokens`` and validate with
   ``jsonschema``;
+* same as native: outputs token-identical to the ``native`` mode's, of the
+  schemas both compiled;
 * tok/s: output tokens over wall-clock seconds of the mode's requests;
 * mask ms per token, p50 / p99: the mode's grammar replayed over its own
   outputs after the engines are gone: next-token bitmask plus applying it to
@@ -174,6 +176,7 @@ def run_modes(args) -> int:
     stats = {m: {"run": 0, "compiled": 0, "finished": 0, "valid": 0, "tokens": 0,
                  "seconds": 0.0, "forwards": 0} for m in modes}
     outputs: dict[str, list] = {m: [] for m in modes}
+    by_schema: dict[str, dict[int, list[int]]] = {m: {} for m in modes}
     for i, row in enumerate(tqdm(rows, desc="schemas")):
         schema = row["schema"]
         ids = prompt_ids(tok, schema)
@@ -196,14 +199,16 @@ def run_modes(args) -> int:
             s["valid"] += finished and valid_json(tok.decode(res.token_ids, skip_special_tokens=True),
                                                   schema)
             outputs[m].append((schema, list(res.token_ids)))
+            by_schema[m][i] = list(res.token_ids)
     shutdown_all(engines.values())
 
     print(f"\nwhole schema file: native compiles {coverage['native']}, ours {coverage['ours']} "
           f"of {len(all_rows)}")
     print(f"\n{len(rows)} schemas, greedy, batch 1, max_tokens {args.max_tokens}, "
           f"any-whitespace JSON\n")
-    print("| mode | compiled | valid | finished | tokens | tok/s | MAT | mask ms/token p50 | p99 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| mode | compiled | valid | finished | same as native | tokens | tok/s | MAT "
+          "| mask ms/token p50 | p99 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     import torch
 
     if args.threads:  # the replay's masked_fill on a shared, loaded CPU: see --threads
@@ -216,8 +221,11 @@ def run_modes(args) -> int:
         p99 = float(np.percentile(masks, 99)) if masks else float("nan")
         tps = s["tokens"] / s["seconds"] if s["seconds"] else float("nan")
         mat = s["tokens"] / s["forwards"] if s["forwards"] else float("nan")
-        table[m] = {**s, "tok_s": tps, "mat": mat, "mask_ms_p50": p50, "mask_ms_p99": p99}
-        print(f"| {m} | {s['compiled']}/{s['run']} | {s['valid']} | {s['finished']} | "
+        both = [i for i in by_schema[m] if i in by_schema.get("native", {})]
+        same = f"{sum(by_schema[m][i] == by_schema['native'][i] for i in both)}/{len(both)}"
+        table[m] = {**s, "tok_s": tps, "mat": mat, "mask_ms_p50": p50, "mask_ms_p99": p99,
+                    "same_as_native": same}
+        print(f"| {m} | {s['compiled']}/{s['run']} | {s['valid']} | {s['finished']} | {same} | "
               f"{s['tokens']} | {tps:.1f} | {mat:.2f} | {p50:.3f} | {p99:.3f} |")
     if args.out:
         from pathlib import Path
@@ -225,5 +233,8 @@ def run_modes(args) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "grammar_modes.json").write_text(json.dumps(
-            {"args": vars(args), "coverage": coverage, "modes": table}, indent=1, default=str))
+            {"args": vars(args), "coverage": coverage, "modes": table,
+             "outputs": {m: {rows[i]["name"]: tok.decode(t) for i, t in by_schema[m].items()}
+                         for m in modes}},
+            indent=1, default=str, ensure_ascii=False))
     return 0
