@@ -35,9 +35,11 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from typing import Any, Callable, Hashable
 
-# Requests whose compile was started by the engine core, by the canonical
-# text of their spec; bounded like the caches below it.
-_REQUEST_CACHE_SIZE = 512
+# Requests whose compile was started here, by the canonical text of their
+# spec. Each holds its matcher template, the same object as the runtime's
+# template cache (grammar.runtime): the same bound keeps them to about the
+# same set.
+_REQUEST_CACHE_SIZE = 256
 
 
 class OnceCache:
