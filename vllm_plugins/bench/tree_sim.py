@@ -17,14 +17,22 @@ A configuration is ``chain:N`` or ``BUILDER:N[:nospan]`` (BUILDER
 best_first or template; ``nospan`` turns the context branch off; trees
 fill their size, ``min_confidence`` 0, chains keep the default). Each
 prints one line; ``--out`` appends them as JSON lines. Outputs are compared
-with the first configuration's, token for token: tree verification here must
-give the greedy continuation whatever the draft.
+with the first configuration's (or ``--reference``'s), token for token:
+``mismatched_prompts`` counts prompts whose continuation differs. Float
+rounding differs between a tree's forward and a chain's, so a near tie of
+the target's top two can flip; a wrong mask or position would show on most
+prompts.
+
+A run may be split into parts (``--prompts 0:13`` then ``13:26`` with the
+same ``--tables`` prefix and ``--reference`` file): each part loads the
+tables the previous part saved, as one run would have them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import numpy as np
@@ -103,18 +111,24 @@ def greedy_path(tokens, parents, argmax) -> list[int]:
         node = nxt
 
 
-def run_config(model, tokenizer, prompts, config, max_tokens, vocab):
+def run_config(model, tokenizer, prompts, config, max_tokens, vocab, tables=None,
+               first=0):
+    """Greedy decoding of ``prompts`` under one configuration; its tables
+    start from the file ``tables`` if it exists and are saved there after."""
+    import os
+
     from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
     from vllm_plugins.step_context import RequestStep, StepContext
 
     proposer = TokenRecyclingProposer(options=config["options"], vocab_size=vocab)
-    proposer.load_model(None)
+    if tables and os.path.exists(tables):
+        proposer.tables.load(tables)
     size, eos = config["size"], tokenizer.eos_token_id
     steps = emitted = 0
     outputs, nodes = [], []
     start = time.perf_counter()
     finished: set[str] = set()
-    for qi, prompt in enumerate(prompts):
+    for qi, prompt in enumerate(prompts, first):
         req = f"q{qi}"
         ver = TreeVerifier(model, proposer.TOPK)
         argmax, ids, lps = ver.step(prompt, [], [])
@@ -145,6 +159,8 @@ def run_config(model, tokenizer, prompts, config, max_tokens, vocab):
             emitted += len(accepted)
         finished = {req}
         outputs.append(out)
+    if tables:
+        proposer.tables.save(tables)
     return {"config": config["name"], "prompts": len(prompts), "steps": steps,
             "tokens": emitted, "mat": emitted / max(steps, 1),
             "mean_nodes": float(np.mean(nodes)) if nodes else 0.0,
@@ -166,6 +182,15 @@ def main(argv=None) -> int:
     # other far longer than they compute.
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prompts", default=None,
+                    help="START:END, a slice of the questions; with --tables, "
+                         "a run in parts learns as one run would")
+    ap.add_argument("--tables", default=None,
+                    help="file prefix: each configuration's tables are loaded "
+                         "from PREFIX.<config>.npz when it exists and saved there")
+    ap.add_argument("--reference", default=None,
+                    help="JSON file of outputs by prompt index: compared with, "
+                         "and extended by, this run's first configuration")
     args = ap.parse_args(argv)
 
     import torch
@@ -180,13 +205,25 @@ def main(argv=None) -> int:
     model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32,
                                              attn_implementation="eager").eval()
     prompts = [render(tokenizer, q) for q in load_questions(per_category=args.per_category)]
-    reference = None
-    for text in args.configs:
-        result, outputs = run_config(model, tokenizer, prompts, parse_config(text),
-                                     args.max_tokens, model.config.vocab_size)
-        if reference is None:
-            reference = outputs
-        result["mismatched_prompts"] = sum(a != b for a, b in zip(outputs, reference))
+    lo, hi = 0, len(prompts)
+    if args.prompts:
+        lo, hi = (int(x) for x in args.prompts.split(":"))
+    reference = {}
+    if args.reference and os.path.exists(args.reference):
+        reference = json.load(open(args.reference))
+    for ci, text in enumerate(args.configs):
+        tables = f"{args.tables}.{text.replace(':', '_')}.npz" if args.tables else None
+        result, outputs = run_config(model, tokenizer, prompts[lo:hi], parse_config(text),
+                                     args.max_tokens, model.config.vocab_size, tables, lo)
+        mine = {str(lo + i): out for i, out in enumerate(outputs)}
+        result["prompts"] = f"{lo}:{hi}"
+        result["mismatched_prompts"] = sum(mine[k] != reference[k] for k in mine
+                                           if k in reference)
+        if ci == 0:
+            reference = {**mine, **reference}
+            if args.reference:
+                with open(args.reference, "w") as f:
+                    json.dump(reference, f)
         print(json.dumps(result), flush=True)
         if args.out:
             with open(args.out, "a") as f:
