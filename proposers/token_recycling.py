@@ -44,6 +44,18 @@ from vllm_plugins.proposers.token_recycling_tree import warm_up as warm_up_tree
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 
+def writes_shared_files() -> bool:
+    """Whether this process writes files every rank would write alike
+    (``save_path``): the first process of torch.distributed's world, or the
+    only one. Tensor-parallel ranks hold the same tables (they learn from the
+    same gathered logits), so one copy is all of them; under data parallel
+    the first replica's tables are saved. Asked in ``load_model``: vLLM's
+    workers have joined the world by then, and at exit it may be gone."""
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
 class TokenRecyclingProposer(PluginProposer):
     OPTIONS = (
         *draft_length_options("goodput"),
