@@ -130,15 +130,22 @@ def test_bad_option_fails_before_the_model_loads(model_path):
             "method": "token_recycling", "min_confidence": 7})
 
 
-def test_grammar_request_refused_while_speculating(spec, prompts):
-    """vLLM's V1 runner runs no custom logits processors with speculation:
-    a grammar request must fail clearly, not decode unconstrained."""
-    from vllm import SamplingParams
-    from vllm.exceptions import VLLMValidationError
+def test_grammar_request_decodes_as_without_speculation(base, spec, prompts):
+    """vLLM's V1 runner runs no custom logits processor with speculation; on
+    an engine drafting with one of ours the bridge applies the grammar at
+    every verified position, so a grammar request gets the tokens it gets
+    on a plain engine, and they match the grammar."""
+    import re
 
-    sp = SamplingParams(max_tokens=8, extra_args={"grammar": {"json_object": True}})
-    with pytest.raises(VLLMValidationError, match="speculative decoding"):
-        spec.llm_engine.add_request("grammar-1", {"prompt_token_ids": prompts[0]}, sp)
+    from vllm_plugins.bench.engines import run_batch
+
+    pattern = "[0-9]{3}-[a-z]{4}"
+    params = greedy(16, extra_args={"grammar": {"regex": pattern}})
+    want = run_batch(base, [prompts[0]], params)[0][0].token_ids
+    got = run_batch(spec, [prompts[0]], params)[0][0].token_ids
+    text = base.get_tokenizer().decode(want, skip_special_tokens=True)
+    assert re.fullmatch(pattern, text), text
+    assert got == want
 
 
 def test_server_with_speculative_config_matches_plain_decoding(base, prompts,
@@ -160,7 +167,13 @@ def test_server_with_speculative_config_matches_plain_decoding(base, prompts,
                 "temperature": 0, "return_token_ids": True})
             assert status == 200, body
             assert body["choices"][0]["token_ids"] == want
+        # Our grammar processor runs under speculation on this server.
+        pattern = "[0-9]{3}-[a-z]{4}"
+        want = run_batch(base, [prompts[0]], greedy(
+            16, extra_args={"grammar": {"regex": pattern}}))[0][0].token_ids
         status, body = post(url + "/v1/completions", {
-            "model": model_path, "prompt": prompts[0], "max_tokens": 4,
-            "vllm_xargs": {"grammar": json.dumps({"json_object": True})}})
-        assert status == 400 and "speculative decoding" in json.dumps(body)
+            "model": model_path, "prompt": prompts[0], "max_tokens": 16,
+            "temperature": 0, "return_token_ids": True,
+            "vllm_xargs": {"grammar": json.dumps({"regex": pattern})}})
+        assert status == 200, body
+        assert body["choices"][0]["token_ids"] == want

@@ -2,8 +2,9 @@
 
 The same checks as tests/test_e2e_speculative.py (20 Spec-Bench prompts at
 batch 1; batch 8 with mixed lengths and an abort midway; a sampled run; a
-grammar request refused), run on the two self-drafting methods, whose drafts
-come from the target's own layers inside vLLM's paged KV cache. The reference
+grammar request decoded as without speculation), run on the two
+self-drafting methods, whose drafts come from the target's own layers inside
+vLLM's paged KV cache. The reference
 engine is the session's (tests/conftest.py), shared with that module.
 """
 
@@ -13,7 +14,7 @@ from tests.conftest import shutdown
 from tests.test_e2e_speculative import (  # noqa: F401  (collected here too)
     N_PROMPTS, engine, prompts, test_batch1_greedy_identical,
     test_batch8_mixed_lengths_with_abort_identical,
-    test_grammar_request_refused_while_speculating,
+    test_grammar_request_decodes_as_without_speculation,
     test_sampled_run_completes_with_seed)
 
 pytestmark = pytest.mark.slow
