@@ -63,6 +63,11 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 )
 
 from .asap import AsapCursor, AsapStore, max_nodes_from_env
+from .grammar_engine import (  # noqa: F401  (the processor's public names)
+    FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests,
+    verifies_per_position)
+from .grammar_state import FAILURE_TEXT, GrammarRequest, copy_bit
+from .grammar_verification import DraftedRows
 from vllm_plugins.grammar.runtime import GrammarRuntime, runtime_for
 from vllm_plugins.grammar.spec import (
     GRAMMAR_KEY,
@@ -81,84 +86,10 @@ logger = init_logger(__name__)
 
 __all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
 
-_PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
-#: What a request whose grammar failed says at the end of its output.
-FAILURE_TEXT = " [grammar error: output stopped]"
 _SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
 
 
-class _GrammarRequest:
-    """One request's matcher and how far it has read the request's output."""
-
-    __slots__ = ("matcher", "output", "n_consumed", "eos", "failed", "asap",
-                 "after_failure", "reported")
-
-    def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int] | None, eos: int):
-        self.matcher = matcher
-        # V1: a reference to the runner's running output-token list. V2: None
-        # (tokens are read from the runner's token buffer instead).
-        self.output = output
-        self.n_consumed = 0
-        self.eos = eos
-        # Set once; a failed request is forced to FAILURE_TEXT, then EOS
-        # (fail closed, logged). after_failure: its output tokens since then.
-        self.failed: str | None = None if matcher is not None else "grammar unavailable"
-        self.after_failure = 0
-        self.reported = False  # failure handed to the scheduler (take_failures)
-        # ``"aligned": true`` (V1): this request's walk down its prompt's ASAp trie.
-        self.asap: AsapCursor | None = None
-
-    def consume(self, tokens: list[int]) -> None:
-        if not tokens:
-            return
-        if self.failed:
-            self.after_failure += len(tokens)
-            self.n_consumed += len(tokens)
-            return
-        m = self.matcher
-        if m.is_stopped():
-            # Only EOS was allowed; anything after it (ignore_eos) is not grammar text.
-            self.n_consumed += len(tokens)
-        else:
-            self.n_consumed += len(tokens)
-            if not m.consume_tokens(tokens):
-                self.fail(m.get_error() or "token rejected by the grammar")
-        if self.asap is not None and not self.failed:
-            self.asap.advance(tokens)  # stops by itself at EOS
-
-    def advance_v1(self) -> bool:
-        """Consume output tokens not yet seen; False if some are still placeholders."""
-        out = self.output
-        n = len(out)
-        if n <= self.n_consumed:
-            return True
-        new = out[self.n_consumed : n]
-        if _PLACEHOLDER in new:
-            k = new.index(_PLACEHOLDER)
-            self.consume(new[:k])
-            return False
-        self.consume(new)
-        return True
-
-    def fail(self, reason: str) -> None:
-        if self.failed is None:
-            self.failed = reason
-            self.after_failure = 0
-
-    def forced(self, n_rows: int, failure_tokens: list[int]) -> list[int]:
-        """The tokens forced on this request's next ``n_rows`` rows: the rest
-        of the failure text, if it failed, then EOS."""
-        if not self.failed:
-            return [self.eos] * n_rows
-        rest = failure_tokens[self.after_failure:self.after_failure + n_rows]
-        return rest + [self.eos] * (n_rows - len(rest))
-
-    @property
-    def must_stop(self) -> bool:
-        return self.failed is not None or self.matcher.is_stopped()
-
-
-class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
+class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor):
     """Constrain a request's output to a JSON Schema, regex or Lark grammar."""
 
     # ------------------------------------------------------------------ setup
@@ -183,7 +114,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         self._runtime_error: str | None = None
         self._failure_tokens: list[int] | None = None  # FAILURE_TEXT, tokenized
         # V1: batch index -> request. V2: persistent slot -> request.
-        self._reqs: dict[int, _GrammarRequest] = {}
+        self._reqs: dict[int, GrammarRequest] = {}
         self._logged: set[str] = set()
         # ASAp tries of "aligned" requests, built at the first one; the cap is
         # read (and a bad value refused) at engine start.
@@ -195,7 +126,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         # V1: batch index -> why its grammar failed, since the last
         # take_failures (the bridge ends those requests with an error).
         self._failures: dict[int, str] = {}
-        self._idle = _is_duplicate(vllm_config)
+        self._idle = is_duplicate(vllm_config)
         if self._idle:
             logger.info(
                 "GrammarLogitsProcessor is both installed as an entry point and listed "
@@ -284,7 +215,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
     def _new_request(
         self, params: "SamplingParams", output: list[int] | None,
         prompt: list[int] | None = None,
-    ) -> _GrammarRequest | None:
+    ) -> GrammarRequest | None:
         raw = grammar_request(params.extra_args)
         if raw is None:
             return None
@@ -293,20 +224,20 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         if eos is None:  # ignore_eos, or no tokenizer EOS: fall back to llguidance's
             eos = rt.eos_token if rt is not None else 0
         if rt is None:
-            return _GrammarRequest(None, output, eos)
+            return GrammarRequest(None, output, eos)
         try:
             compiled: CompiledGrammar = compile_grammar_request(raw)
             matcher = rt.new_matcher(compiled)
         except Exception as e:  # noqa: BLE001 - validate_params should have caught it
-            req = _GrammarRequest(None, output, eos)
+            req = GrammarRequest(None, output, eos)
             req.failed = str(e)
             self._log_once(f"compile:{e}", "grammar request failed in the worker: %s", e)
             return req
         if matcher.is_error():
-            req = _GrammarRequest(None, output, eos)
+            req = GrammarRequest(None, output, eos)
             req.failed = matcher.get_error() or "the grammar's matcher failed"
             return req
-        req = _GrammarRequest(matcher, output, eos)
+        req = GrammarRequest(matcher, output, eos)
         if compiled.aligned:
             req.asap = self._asap_cursor(compiled, params, prompt, eos, rt.eos_token)
         return req
@@ -330,7 +261,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         key = AsapStore.key(compiled.grammar, prompt, setting)
         return self._asap.cursor(key, (eos, ll_eos), params.temperature)
 
-    def _align(self, logits: torch.Tensor, aligned: list[tuple[int, _GrammarRequest]],
+    def _align(self, logits: torch.Tensor, aligned: list[tuple[int, GrammarRequest]],
                raw: list[torch.Tensor]) -> None:
         """ASAp: reweight masked rows by the bounds of the children already sampled."""
         for (row, req), raw_row in zip(aligned, raw):
@@ -353,7 +284,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
                 self._log_once("asap:dead", "grammar 'aligned': every allowed token "
                                "has a future-grammaticality bound of 0; masking plainly")
 
-    def _mask(self, logits: torch.Tensor, rows: list[int], reqs: list[_GrammarRequest],
+    def _mask(self, logits: torch.Tensor, rows: list[int], reqs: list[GrammarRequest],
               drafts: list[list[int]] | None = None) -> torch.Tensor:
         """Mask ``logits[rows[i]]`` for ``reqs[i]``, whose matcher is at that row's position.
 
@@ -414,7 +345,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
             bitmask = rt.fill(fill_pairs, n_logits)
             for row, eos in zip(mask_rows, mask_eos):
                 if eos != rt.eos_token:
-                    _copy_bit(bitmask, row, rt.eos_token, eos)
+                    copy_bit(bitmask, row, rt.eos_token, eos)
             rt.apply(logits, mask_rows, mask_rows)
         if force_rows:
             GrammarRuntime.force_token(logits, force_rows, force_toks)
@@ -456,11 +387,11 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         rows, reqs = self._v1_requests(logits.shape[0])
         return self._mask(logits, rows, reqs)
 
-    def _v1_requests(self, n_rows: int) -> tuple[list[int], list["_GrammarRequest"]]:
+    def _v1_requests(self, n_rows: int) -> tuple[list[int], list["GrammarRequest"]]:
         """The batch's grammar requests (rows below ``n_rows``), each advanced
         to its committed output."""
         rows: list[int] = []
-        reqs: list[_GrammarRequest] = []
+        reqs: list[GrammarRequest] = []
         for index, req in self._reqs.items():
             if index >= n_rows:
                 continue
@@ -478,120 +409,6 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
             rows.append(index)
             reqs.append(req)
         return rows, reqs
-
-    # ------------------------------------------ V1 under speculative decoding
-    # vLLM's rejection sampler samples the bonus rows (one per request, after
-    # all its drafts) through the plain sampler, which calls ``apply``, then
-    # processes the target rows (row j of a request: after its drafts[:j]).
-    # The bridge (vllm_plugins.bridge.verify_processors) hands the step's
-    # drafts over with ``begin_verification`` so that ``apply`` masks bonus
-    # rows after the drafts, and calls ``apply_drafted`` on the target rows.
-    # Matchers only move tentatively here and are rolled back: the next step
-    # advances them by the tokens actually accepted (``advance_v1``).
-    def begin_verification(self, drafts: list[list[int]]) -> None:
-        """This step's drafts, by batch index, until ``end_verification``."""
-        self._verifying = drafts
-
-    def end_verification(self) -> None:
-        self._verifying = None
-
-    def _apply_bonus(self, logits: torch.Tensor) -> torch.Tensor:
-        drafts = self._verifying
-        rows, reqs = self._v1_requests(logits.shape[0])
-        plain_rows: list[int] = []
-        plain_reqs: list[_GrammarRequest] = []
-        plan: list[tuple[_GrammarRequest, list[int], list[int | None]]] = []
-        for row, req in zip(rows, reqs):
-            draft = drafts[row] if row < len(drafts) else []
-            if not draft:
-                plain_rows.append(row)
-                plain_reqs.append(req)
-            else:
-                plan.append((req, draft, [None] * len(draft) + [row]))
-        if plain_rows:
-            self._mask(logits, plain_rows, plain_reqs)
-        if plan:
-            self._mask_positions(logits, plan)
-        return logits
-
-    def apply_drafted(self, logits: torch.Tensor, num_draft: list[int]) -> torch.Tensor:
-        """Mask the target rows: request i owns ``num_draft[i]`` consecutive
-        rows in batch order; its row j follows its drafts[:j]."""
-        drafts = self._verifying
-        if not self._reqs or drafts is None:
-            return logits
-        rows, reqs = self._v1_requests(len(num_draft))
-        by_row = dict(zip(rows, reqs))
-        plan: list[tuple[_GrammarRequest, list[int], list[int | None]]] = []
-        start = 0
-        for index, n in enumerate(num_draft):
-            req = by_row.get(index)
-            if req is not None and n:
-                plan.append((req, drafts[index], list(range(start, start + n))))
-            start += n
-        if plan:
-            self._mask_positions(logits, plan)
-        return logits
-
-    def _mask_positions(self, logits: torch.Tensor,
-                        plan: list[tuple["_GrammarRequest", list[int], list[int | None]]]
-                        ) -> torch.Tensor:
-        """Mask, for each (request, draft, rows), ``logits[rows[j]]`` with the
-        request's grammar after it tentatively consumed ``draft[:j]`` (None:
-        no row for that position), exactly as plain decoding would mask the
-        row at that position; rows after a draft token the grammar rejects
-        are never used by the rejection sampler and take EOS."""
-        rt = self._runtime
-        n_logits = logits.shape[0]
-        failure_tokens = self._failure_text_tokens()
-        mask_rows: list[int] = []
-        mask_eos: list[int] = []
-        force_rows: list[int] = []
-        force_toks: list[int] = []
-        for req, draft, rows in plan:
-            if rt is None and not req.failed:
-                req.fail(self._runtime_error or "grammar unavailable")
-            if req.asap is not None and not req.asap.done:
-                # Drafted aligned requests are not served (the bridge drops
-                # their drafts): should one come, it is masked plainly on.
-                req.asap.done = True
-                self._log_once("asap:spec", "grammar 'aligned' request got drafts: "
-                               "ASAp stops for it, its rows are masked plainly")
-            if req.must_stop:
-                for row, tok in zip(rows, req.forced(len(rows), failure_tokens)):
-                    if row is not None:
-                        force_rows.append(row)
-                        force_toks.append(tok)
-                continue
-            m = req.matcher
-            n_ok = 0
-            for j, row in enumerate(rows):
-                if j and m.try_consume_tokens([int(draft[j - 1])]) != 1:
-                    rest = [r for r in rows[j:] if r is not None]
-                    force_rows.extend(rest)
-                    force_toks.extend([req.eos] * len(rest))
-                    break
-                n_ok += 1 if j else 0
-                if row is None:
-                    continue
-                if m.is_stopped():  # as plain decoding: EOS forced
-                    force_rows.append(row)
-                    force_toks.append(req.eos)
-                    continue
-                rt.fill([(m, row)], n_logits)
-                mask_rows.append(row)
-                mask_eos.append(req.eos)
-            if n_ok:
-                m.rollback(n_ok)
-        if mask_rows:
-            bitmask = rt.bitmask(n_logits)
-            for row, eos in zip(mask_rows, mask_eos):
-                if eos != rt.eos_token:
-                    _copy_bit(bitmask, row, rt.eos_token, eos)
-            rt.apply(logits, mask_rows, mask_rows)
-        if force_rows:
-            GrammarRuntime.force_token(logits, force_rows, force_toks)
-        return logits
 
     # -------------------------------------------------------------- V2 API
     def add_request(self, req_idx: int, sampling_params: "SamplingParams") -> bool:
@@ -627,7 +444,7 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
         pos = ctx.pos.cpu().tolist()
         input_ids = ctx.input_ids.cpu().tolist() if spec else None
         rows: list[int] = []
-        reqs: list[_GrammarRequest] = []
+        reqs: list[GrammarRequest] = []
         drafts: list[list[int]] = []
         prompt_len = rs.prompt_len.np
         for (i, slot), row in zip(batch, rows0):
@@ -653,91 +470,3 @@ class GrammarLogitsProcessor(_V1LogitsProcessor, _V2LogitsProcessor):
                 return self._apply_bonus(logits)
             return self._apply_v1(logits)
         return self._apply_v2(logits, ctx)
-
-
-def engine_drops_processors(vllm_config: "VllmConfig") -> str | None:
-    """Why this engine will run no custom logits processors, or None.
-
-    vLLM 0.32's V1 model runner silently drops every custom logits processor,
-    entry-point ones included, when speculative decoding is on
-    (``build_logitsprocs``; only ``--logits-processors`` given explicitly raises
-    ``STR_SPEC_DEC_REJECTS_LOGITSPROCS``), yet the frontend still runs
-    ``validate_params``: a grammar request would be admitted and decoded
-    unconstrained. The bridge wraps each engine's params validator with
-    ``refuse_grammar_requests`` when this returns a reason.
-    """
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is None or vllm_config.use_v2_model_runner:
-        return None
-    from vllm_plugins.bridge.verify_processors import applies_processors
-
-    if applies_processors(vllm_config):
-        return None
-    method = getattr(spec, "method", None)
-    return (
-        f"speculative decoding ({method}) is on and vLLM's V1 model runner then "
-        "runs no custom logits processors; use SamplingParams.structured_outputs "
-        "or an engine without speculative decoding"
-    )
-
-
-def verifies_per_position(sampling_params: "SamplingParams") -> bool:
-    """Whether this processor can mask a request's drafted rows exactly as
-    plain decoding masks each position. Not for ``"aligned"`` requests:
-    ASAp's trie learns from the rows of the prefixes a request actually
-    samples, one per step; such a request is served without drafts."""
-    raw = grammar_request(getattr(sampling_params, "extra_args", None))
-    return not (isinstance(raw, dict) and raw.get("aligned"))
-
-
-def refuse_grammar_requests(sampling_params: "SamplingParams", reason: str) -> None:
-    """Fail only a request that asks for a grammar this engine cannot honour."""
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    if GRAMMAR_KEY in extra:
-        raise GrammarSpecError(
-            f'extra_args["{GRAMMAR_KEY}"] cannot be honoured by this engine: {reason}'
-        )
-
-
-FQCN = "vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor"
-_instances_per_config: dict[int, int] = {}
-
-
-def _times_configured(vllm_config: "VllmConfig") -> int:
-    """How many instances vLLM builds per engine: entry point + explicit mentions."""
-    from importlib.metadata import entry_points
-
-    n = sum(ep.value.replace(" ", "") == FQCN
-            for ep in entry_points(group="vllm.logits_processors"))
-    for item in vllm_config.model_config.logits_processors or ():
-        if item is GrammarLogitsProcessor or (
-            isinstance(item, type) and issubclass(item, GrammarLogitsProcessor)
-        ):
-            n += 1
-        elif isinstance(item, str) and item.replace(" ", "") == FQCN:
-            n += 1
-    return max(n, 1)
-
-
-def _is_duplicate(vllm_config: "VllmConfig") -> bool:
-    """True for all but the last of the instances one engine builds.
-
-    vLLM builds entry-point processors and then the ``logits_processors`` list,
-    with no de-duplication (``_load_custom_logitsprocs``, V1; ``_load_v2_logitsprocs``,
-    V2), one after another for the same config object. Counting construction
-    per config modulo the expected number keeps exactly one instance working.
-    """
-    times = _times_configured(vllm_config)
-    if times == 1:
-        return False
-    key = id(vllm_config)
-    ordinal = _instances_per_config.get(key, 0)
-    _instances_per_config[key] = ordinal + 1
-    return ordinal % times != times - 1
-
-
-def _copy_bit(bitmask: torch.Tensor, row: int, src: int, dst: int) -> None:
-    """If token ``src`` is allowed in ``bitmask[row]``, allow ``dst`` too."""
-    words = bitmask[row].numpy().view("uint32")
-    if (words[src >> 5] >> (src & 31)) & 1 and (dst >> 5) < len(words):
-        words[dst >> 5] |= 1 << (dst & 31)
