@@ -9,11 +9,12 @@ positions included), shared by all samples of that prompt, and drafts from it:
 
 * temperature 0: the most probable path (probs are not needed: vLLM's greedy
   verification ignores them);
-* temperature T > 0: one sampled chain (vLLM verifies a single chain, so the
-  paper's Gumbel-top-k tree becomes Gumbel-max per position), each token drawn
-  from the stored distribution tempered by the request's T, and that exact
-  distribution is handed to vLLM's rejection sampler as the draft's
-  probability row, so sampled output keeps exactly the target's distribution.
+* temperature T > 0: one sampled chain (Gumbel-max per position; with
+  ``"draft_shape": "tree"`` the paper's Gumbel-top-k tree, proposers/stand_tree.py),
+  each token drawn from the stored distribution tempered by the request's T
+  (proposers/stand_draws.py), and that exact distribution is handed to the
+  verification as the draft's probability row, so sampled output keeps
+  exactly the target's distribution.
   Requests with structured outputs are the exception: their sampled drafts go
   out without rows (rule 3).
 
@@ -61,6 +62,7 @@ import numpy as np
 
 from vllm_plugins.options import Option, flag, integer, number, unit_float
 from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token, trim
+from vllm_plugins.proposers.stand_draws import KindCalibration, draft_distribution
 from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
 from vllm_plugins.proposers.stand_tree import dense_rows, grow_tree, observed_nodes
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
@@ -71,97 +73,6 @@ _GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 # Controllers whose choice for position j depends only on positions <= j
 # (see the module docstring, rule 2).
 PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
-
-
-def draft_distribution(probs: np.ndarray, temperature: float, top_k: int = 0,
-                       top_p: float = 1.0) -> tuple[np.ndarray, float]:
-    """The distribution a sampled draft is drawn from, and its confidence.
-
-    ``probs``: an entry's stored probabilities (temperature 1, descending).
-    Returns q (float32, over the same support, sums to 1 after the caller's
-    float64 normalisation of the float32 values; entries that round to 0 are
-    0) and the estimated acceptance of a draft drawn from q: the tempered mass
-    the support covers (if q equals the target restricted to the support, the
-    expected acceptance is exactly that mass).
-    """
-    p = probs.astype(np.float64)
-    n = len(p)
-    if top_k and top_k > 0:
-        n = min(n, top_k)
-    inv_t = 1.0 / temperature
-    # Work in log space so a low temperature does not underflow the top token.
-    logp = np.log(np.maximum(p[:n], 1e-30)) * inv_t
-    logp -= logp.max()
-    w = np.exp(logp)
-    q = w / w.sum()
-    if top_p < 1.0 and n > 1:
-        keep = int(np.searchsorted(np.cumsum(q), top_p) + 1)
-        keep = max(1, min(keep, n))
-        q = q[:keep] / q[:keep].sum()
-        n = keep
-    q32 = q.astype(np.float32)
-    # Coverage at temperature T: the unknown rest (1 - sum p) is made of tokens
-    # no likelier than the least likely stored one.
-    covered = float(p.sum())
-    rest = max(1.0 - covered, 0.0)
-    pmin = float(max(p[len(p) - 1], 1e-30))
-    s_t = float(np.exp(np.log(np.maximum(p[:len(p)], 1e-30)) * inv_t).sum())
-    rest_t = rest * pmin ** (inv_t - 1.0)
-    conf = s_t / (s_t + rest_t) if s_t + rest_t > 0 else 0.0
-    return q32, conf
-
-
-class KindCalibration:
-    """Observed acceptance of drafted tokens, per kind of source entry.
-
-    A kind is (sampled or greedy request, order of the matched context,
-    prompt seed or target-learned entry): 2 * max_order * 2 counters. The
-    confidence of a drafted token is the kind's acceptance estimate scaled by
-    how its entry's own score (stored top-1 probability at temperature 0,
-    tempered coverage otherwise) compares with the kind's average score.
-    Estimates are exponentially discounted (``decay`` per observation) with a
-    Beta prior of mean ``prior`` and weight 2.
-    """
-
-    def __init__(self, max_order: int, prior: float = 0.5, decay: float = 0.995):
-        self.max_order = max_order
-        self.prior = prior
-        self.decay = decay
-        n = 2 * max_order * 2
-        self.accepted = np.zeros(n)
-        self.trials = np.zeros(n)
-        self.score_sum = np.zeros(n)
-
-    def kind(self, sampled: bool, order: int, seed: bool) -> int:
-        return (int(sampled) * self.max_order + (order - 1)) * 2 + int(seed)
-
-    def estimate(self, kind: int) -> float:
-        return float((self.accepted[kind] + 2.0 * self.prior) / (self.trials[kind] + 2.0))
-
-    def confidence(self, kind: int, score: float) -> float:
-        est = self.estimate(kind)
-        if self.trials[kind] >= 1.0 and self.score_sum[kind] > 0:
-            mean_score = self.score_sum[kind] / self.trials[kind]
-            est *= score / mean_score
-        return float(min(max(est, 0.01), 0.99))
-
-    def observe(self, kind: int, score: float, accepted: bool) -> None:
-        d = self.decay
-        self.accepted[kind] = d * self.accepted[kind] + float(accepted)
-        self.trials[kind] = d * self.trials[kind] + 1.0
-        self.score_sum[kind] = d * self.score_sum[kind] + score
-
-    def table(self) -> dict:
-        out = {}
-        for sampled in (False, True):
-            for order in range(1, self.max_order + 1):
-                for seed in (False, True):
-                    k = self.kind(sampled, order, seed)
-                    if self.trials[k] >= 1.0:
-                        name = (f"{'sampled' if sampled else 'greedy'}/order{order}"
-                                f"{'/seed' if seed else ''}")
-                        out[name] = [round(self.estimate(k), 3), round(float(self.trials[k]), 1)]
-        return out
 
 
 class StandProposer(PluginProposer):

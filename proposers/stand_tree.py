@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from vllm_plugins.proposers.stand_draws import draft_distribution
 from vllm_plugins.proposers.stand_store import NgramStore
 
 
@@ -83,9 +84,6 @@ def grow_tree(store: NgramStore, tail, budget: int, *, sampled: bool,
               calibrate: bool, min_path_prob: float) -> StandTree:
     """Up to ``budget`` nodes after the context ``tail``; slots scoring under
     ``min_path_prob`` are not opened (the chain's stopping rule)."""
-    # stand.py dispatches here, so its helper is imported at call time.
-    from vllm_plugins.proposers.stand import draft_distribution
-
     tree = StandTree()
     expansions: list[_Expansion] = []
     heap: list[tuple[float, int, int, int]] = []  # (-score, tie, expansion, rank)
