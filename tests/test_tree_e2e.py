@@ -158,29 +158,49 @@ def reference(tiny_model, tmp_path_factory):
             "wave2": wave2, "oracle": str(path)}
 
 
-def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, monkeypatch):
+def run_oracle_engine(tiny_model: str, oracle: str, prompt_ids, batch4, out: str) -> None:
+    """The oracle engine's outputs and stats into ``out`` (JSON). Runs in a
+    fresh process: the engine core must run in-process (it looks methods up
+    by name, and a method registered here exists only here), and vLLM's
+    worker start-up scan over ``sys.modules`` fails on objects other tests
+    leave imported in the pytest process (llvmlite's function wrappers)."""
     from vllm_plugins.bench.engines import engine_stats
-    from vllm_plugins.registry import METHODS, register_method
+    from vllm_plugins.registry import register_method
 
-    monkeypatch.setenv(ORACLE_ENV, reference["oracle"])
-    # The engine core runs in this process: it looks methods up by name, and
-    # a method registered here exists only here.
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ[ORACLE_ENV] = oracle
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     register_method("tree_oracle_test", f"{__name__}.OracleTreeProposer")
-    llm = None
+    llm = engine(tiny_model, {"method": "tree_oracle_test", "num_speculative_tokens": NODES})
     try:
-        llm = engine(tiny_model, {"method": "tree_oracle_test",
-                                  "num_speculative_tokens": NODES})
-        first, _ = requests(reference["prompt_ids"])
+        first, _ = requests(prompt_ids)
         got4 = generate(llm, first)
         got1 = [generate(llm, [r])[0] for r in first[:2]]
-        _, second = requests(reference["prompt_ids"], reference["batch4"])
+        _, second = requests(prompt_ids, batch4)
         wave2 = generate(llm, second)
         stats = engine_stats(llm)
     finally:
-        METHODS.pop("tree_oracle_test", None)
-        if llm is not None:
-            shutdown(llm)
+        shutdown(llm)
+    with open(out, "w") as f:
+        json.dump({"got4": got4, "got1": got1, "wave2": wave2, "stats": stats}, f)
+
+
+def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
+    import subprocess
+    import sys
+
+    args = tmp_path / "args.json"
+    out = tmp_path / "out.json"
+    args.write_text(json.dumps([str(tiny_model), reference["oracle"],
+                                reference["prompt_ids"], reference["batch4"], str(out)]))
+    code = ("import json, sys; from tests.test_tree_e2e import run_oracle_engine; "
+            "run_oracle_engine(*json.load(open(sys.argv[1])))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code, str(args)], cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    got4, got1, wave2, stats = (result["got4"], result["got1"], result["wave2"],
+                                result["stats"])
     assert stats["proposer"]["num_errors"] == 0, stats
     # Teeth: tree steps ran, paths were accepted off the chain's indices.
     assert stats["tree_steps"] > 0 and stats["kv_moved"] > 0, stats
