@@ -66,7 +66,7 @@ from .asap import AsapCursor, AsapStore, max_nodes_from_env
 from .grammar_engine import (  # noqa: F401  (the processor's public names)
     FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests,
     verifies_per_position)
-from .grammar_state import FAILURE_TEXT, GrammarRequest, copy_bit
+from .grammar_state import FAILURE_TEXT, GrammarRequest, apply_masks
 from .grammar_verification import DraftedRows
 from vllm_plugins.grammar.runtime import GrammarRuntime, runtime_for
 from vllm_plugins.grammar.spec import (
@@ -341,14 +341,8 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
                     mask_eos.append(req.eos)
                 if n_ok:
                     m.rollback(n_ok)
-        if fill_pairs:
-            bitmask = rt.fill(fill_pairs, n_logits)
-            for row, eos in zip(mask_rows, mask_eos):
-                if eos != rt.eos_token:
-                    copy_bit(bitmask, row, rt.eos_token, eos)
-            rt.apply(logits, mask_rows, mask_rows)
-        if force_rows:
-            GrammarRuntime.force_token(logits, force_rows, force_toks)
+        bitmask = rt.fill(fill_pairs, n_logits) if fill_pairs else None
+        apply_masks(rt, logits, bitmask, mask_rows, mask_eos, force_rows, force_toks)
         if aligned:
             self._align(logits, aligned, raw)
         return logits

@@ -9,6 +9,8 @@ from __future__ import annotations
 import llguidance
 import torch
 
+from vllm_plugins.grammar.runtime import GrammarRuntime
+
 from .asap import AsapCursor
 
 _PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
@@ -92,3 +94,17 @@ def copy_bit(bitmask: torch.Tensor, row: int, src: int, dst: int) -> None:
     words = bitmask[row].numpy().view("uint32")
     if (words[src >> 5] >> (src & 31)) & 1 and (dst >> 5) < len(words):
         words[dst >> 5] |= 1 << (dst & 31)
+
+
+def apply_masks(rt: GrammarRuntime, logits: torch.Tensor, bitmask: torch.Tensor | None,
+                mask_rows: list[int], mask_eos: list[int],
+                force_rows: list[int], force_toks: list[int]) -> None:
+    """Masked rows take their filled bitmask rows, with each request's own
+    EOS allowed wherever the tokenizer's is; forced rows take one token."""
+    if bitmask is not None and mask_rows:
+        for row, eos in zip(mask_rows, mask_eos):
+            if eos != rt.eos_token:
+                copy_bit(bitmask, row, rt.eos_token, eos)
+        rt.apply(logits, mask_rows, mask_rows)
+    if force_rows:
+        GrammarRuntime.force_token(logits, force_rows, force_toks)

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_plugins.grammar.runtime import GrammarRuntime
-
-from .grammar_state import GrammarRequest, copy_bit
+from .grammar_state import GrammarRequest, apply_masks
 
 
 class DraftedRows:
@@ -120,12 +118,6 @@ class DraftedRows:
                 mask_eos.append(req.eos)
             if n_ok:
                 m.rollback(n_ok)
-        if mask_rows:
-            bitmask = rt.bitmask(n_logits)
-            for row, eos in zip(mask_rows, mask_eos):
-                if eos != rt.eos_token:
-                    copy_bit(bitmask, row, rt.eos_token, eos)
-            rt.apply(logits, mask_rows, mask_rows)
-        if force_rows:
-            GrammarRuntime.force_token(logits, force_rows, force_toks)
+        bitmask = rt.bitmask(n_logits) if mask_rows else None
+        apply_masks(rt, logits, bitmask, mask_rows, mask_eos, force_rows, force_toks)
         return logits
