@@ -6,7 +6,7 @@ from tests.conftest import shutdown
 
 pytestmark = pytest.mark.slow
 
-N_PROMPTS = 20
+N_PROMPTS = 12  # two per category of the first six Spec-Bench categories
 MAX_TOKENS = 64
 _BASE: dict = {}
 
@@ -33,7 +33,7 @@ def prompts(base):
 ], ids=["token_recycling", "ngram_adaptive-goodput"])
 def spec(request, model_path):
     llm = engine(model_path, request.param)
-    # The default configuration gets the full 20 prompts; variants fewer.
+    # The default configuration gets all N_PROMPTS prompts; variants fewer.
     llm.n_prompts = N_PROMPTS if request.param_index == 0 else 6
     llm.goodput = True  # token_recycling's default and the explicit variant
     yield llm

@@ -1,6 +1,6 @@
 """SWIFT and DEL inside vllm.LLM: lossless against vLLM's own greedy tokens.
 
-The same checks as tests/test_e2e_speculative.py (20 Spec-Bench prompts at
+The same checks as tests/test_e2e_speculative.py (12 Spec-Bench prompts at
 batch 1; batch 8 with mixed lengths and an abort midway; a sampled run; a
 grammar request decoded as without speculation), run on the two
 self-drafting methods, whose drafts come from the target's own layers inside
