@@ -518,9 +518,12 @@ def test_scheduler_holds_blocked_requests_and_ends_errors():
         Scheduler._is_blocked_waiting_status)
     blocked = inspect.getsource(Scheduler._handle_blocked_waiting_request.__wrapped__)
     assert "request.structured_output_request" in blocked
-    assert "self.grammar_compile_error_reqs.add(request.request_id)" in blocked
+    # 0.32: a set of ids; 0.33: ids -> RequestError (grammar_hold.mark_error).
+    assert ("self.grammar_compile_error_reqs.add(request.request_id)" in blocked
+            or "self.grammar_compile_error_reqs[request.request_id] = RequestError(" in blocked)
     update = inspect.getsource(Scheduler.update_from_output.__wrapped__)
-    assert "error_req_ids = set(self.grammar_compile_error_reqs)" in update
+    assert ("error_req_ids = set(self.grammar_compile_error_reqs)" in update
+            or "request_errors = self.grammar_compile_error_reqs" in update)
     assert "error_req_ids, RequestStatus.FINISHED_ERROR" in update
     assert "sampled_token_ids[req_index] if sampled_token_ids else []" in update
     assert "if new_token_ids:" in update

@@ -57,6 +57,21 @@ ERRORS_ATTR = "vllm_plugins_grammar_errors"
 PRECOMPILE_ATTR = "vllm_plugins_grammar_precompile"
 
 
+
+def mark_error(scheduler, req_id: str, message: str) -> None:
+    """Have the scheduler finish ``req_id`` with FINISHED_ERROR at its next
+    schedule, as it does a grammar vLLM could not compile: a set of request
+    ids in vLLM 0.32, a dict of id -> ``vllm.outputs.RequestError`` (whose
+    message reaches the client) in 0.33."""
+    errors = scheduler.grammar_compile_error_reqs
+    if isinstance(errors, dict):
+        from vllm.outputs import RequestError
+
+        errors[req_id] = RequestError(code="validation_error",
+                                      message=f"Invalid grammar: {message}")
+    else:
+        errors.add(req_id)
+
 def hold_enabled() -> bool:
     """Whether the hold patches apply: :data:`HOLD_ENV`, read when the
     patches are applied (start-up); a value other than 0 or 1 is refused."""
@@ -210,7 +225,8 @@ def wrap_handle_blocked_waiting_request(original):
             logger.warning("request %s: its grammar does not compile in the engine "
                            "(%s: %s); finished with an error", request.request_id,
                            type(error).__name__, error)
-            self.grammar_compile_error_reqs.add(request.request_id)
+            mark_error(self, request.request_id,
+                       f"its grammar does not compile: {type(error).__name__}: {error}")
             return False
         delattr(request, PENDING_ATTR)
         request.status = RequestStatus.WAITING
@@ -299,4 +315,4 @@ def end_on_matcher_errors(scheduler: Any, output: Any, errors: dict[str, str]) -
             sampled[index] = []  # the token forced after the error is not output
         logger.warning("request %s: its grammar cannot follow the output (%s); "
                        "finished with an error", req_id, reason)
-        scheduler.grammar_compile_error_reqs.add(req_id)
+        mark_error(scheduler, req_id, f"its grammar cannot follow the output: {reason}")
