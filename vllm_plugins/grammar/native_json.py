@@ -80,16 +80,27 @@ def _types(node: dict) -> set[str]:
     return set()
 
 
+def subschemas(node: dict):
+    """Every schema directly inside ``node``: the values of its maps of
+    schemas and its schema-valued keywords (lists expanded)."""
+    for key in _SCHEMA_MAPS:
+        sub = node.get(key)
+        if isinstance(sub, dict):
+            yield from sub.values()
+    for key in _SUBSCHEMAS:
+        sub = node.get(key)
+        if isinstance(sub, list):
+            yield from sub
+        elif isinstance(sub, dict):
+            yield sub
+
+
 def native_schema(schema: Any) -> Any:
     """A copy of ``schema`` that llguidance compiles to the language vLLM's
     native backend (xgrammar, strict mode) compiles it to."""
     schema = copy.deepcopy(schema)
 
     def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-            return
         if not isinstance(node, dict):
             return
         first = next((k for k in _EXCLUSIVE if k in node), None)
@@ -101,14 +112,8 @@ def native_schema(schema: Any) -> Any:
         if isinstance(node.get("patternProperties"), dict):
             node["patternProperties"] = {
                 _full_match(k): v for k, v in node["patternProperties"].items()}
-        for key in _SCHEMA_MAPS:
-            sub = node.get(key)
-            if isinstance(sub, dict):
-                for value in sub.values():
-                    walk(value)
-        for key in _SUBSCHEMAS:
-            if isinstance(node.get(key), (dict, list)):
-                walk(node[key])
+        for sub in subschemas(node):
+            walk(sub)
 
         if "type" not in node:
             if isinstance(node.get("properties"), dict):

@@ -30,19 +30,13 @@ from typing import Any
 
 import llguidance
 
+from vllm_plugins.grammar.native_json import subschemas
 from vllm_plugins.grammar.spec import (
     CompiledGrammar,
     GrammarSpecError,
     compile_grammar_request,
     nested_too_deeply,
 )
-
-# Keywords whose values are maps of sub-schemas / sub-schemas (lists or single):
-# the walk that closes objects visits every schema reachable through them.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
-                "dependentSchemas")
-_SUBSCHEMAS = ("additionalProperties", "items", "prefixItems", "allOf", "anyOf",
-               "oneOf", "not", "if", "then", "else", "contains")
 
 
 def close_objects(schema: Any) -> Any:
@@ -52,20 +46,10 @@ def close_objects(schema: Any) -> Any:
     schema = copy.deepcopy(schema)
 
     def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for item in node:
-                walk(item)
-            return
         if not isinstance(node, dict):
             return
-        for key in _SCHEMA_MAPS:
-            sub = node.get(key)
-            if isinstance(sub, dict):
-                for value in sub.values():
-                    walk(value)
-        for key in _SUBSCHEMAS:
-            if isinstance(node.get(key), (dict, list)):
-                walk(node[key])
+        for sub in subschemas(node):
+            walk(sub)
         if "additionalProperties" not in node and (
                 isinstance(node.get("properties"), dict)
                 or isinstance(node.get("patternProperties"), dict)):
