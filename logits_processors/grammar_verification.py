@@ -86,12 +86,6 @@ class DraftedRows:
         for req, draft, rows in plan:
             if rt is None and not req.failed:
                 req.fail(self._runtime_error or "grammar unavailable")
-            if req.asap is not None and not req.asap.done:
-                # Drafted aligned requests are not served (the bridge drops
-                # their drafts): should one come, it is masked plainly on.
-                req.asap.done = True
-                self._log_once("asap:spec", "grammar 'aligned' request got drafts: "
-                               "ASAp stops for it, its rows are masked plainly")
             if req.must_stop:
                 for row, tok in zip(rows, req.forced(len(rows), failure_tokens)):
                     if row is not None:
