@@ -155,20 +155,40 @@ class AsapCursor:
     Call order per step: :meth:`advance` with the tokens sampled since the
     previous step, then :meth:`observe` with the row's logits; :meth:`finish`
     once when the request leaves the batch.
+
+    Under speculative decoding one step observes a row per verified position:
+    the row after the committed output plus ``draft`` (its first ``j``
+    drafted tokens) is observed with that ``draft``, and reweighted with the
+    bounds of the trie node at that prefix. Bounds only change in
+    :meth:`finish` (the end of a sample), never while a sample is under way:
+    a node's weights are the same whether the tokens before it are committed
+    or drafted, so the row at position ``j`` gets what plain decoding gives it
+    after committing ``draft[:j]``. What a row teaches the trie (the
+    probability of the token sampled from it, the grammar's mass at its
+    prefix) is held until the next :meth:`advance` shows which positions
+    were committed; rows after a rejected draft leave no trace.
     """
 
-    __slots__ = ("trie", "path", "terminal", "temperature", "_pending", "done", "finished")
+    __slots__ = ("trie", "path", "terminal", "temperature", "max_len", "_seen", "_since",
+                 "done", "finished")
 
-    def __init__(self, trie: AsapTrie, terminal: Iterable[int], temperature: float) -> None:
+    def __init__(self, trie: AsapTrie, terminal: Iterable[int], temperature: float,
+                 max_len: int | None = None) -> None:
         if not temperature > 0:
             raise ValueError(f"ASAp needs a positive temperature, got {temperature!r}")
         self.trie = trie
         self.path: list[AsapNode] = [trie.root]
-        self.terminal = frozenset(terminal)  # EOS ids: a finished string, no node below
+        # Tokens that end a sample (EOS, stop tokens): a finished string, no node below.
+        self.terminal = frozenset(terminal)
         self.temperature = float(temperature)
-        # The last observed row (logits / T) and its log-normaliser: P(child |
-        # prefix) of the token sampled from it is read at the next advance.
-        self._pending: tuple[torch.Tensor, float] | None = None
+        self.max_len = max_len  # the most tokens a sample has, if limited
+        # The rows observed since the last advance, by the drafted tokens
+        # before their position: (logits / T, its log-normaliser, log of the
+        # grammar's mass there). P(child | prefix) of a token sampled from one
+        # is read when the token is advanced.
+        self._seen: dict[tuple[int, ...], tuple[torch.Tensor, float, float]] = {}
+        # The tokens advanced since those rows were observed.
+        self._since: list[int] = []
         # True once the walk has left the trie (EOS sampled, a token with no row
         # seen, memory cap): later rows are not reweighted.
         self.done = False
@@ -184,60 +204,95 @@ class AsapCursor:
                 self.done = True
                 return
             node = self.path[-1]
+            seen = self._seen.get(tuple(self._since))
+            if seen is not None and node.log_mass is None:
+                node.log_mass = seen[2]  # a drafted position's row, now committed
             child = node.children.get(tok) if node.children else None
             if child is None:
-                if self._pending is None:
+                if seen is None:
                     # No row was seen for this position (e.g. resumed after a
                     # preemption): its probability is unknown.
                     self.done = True
                     return
-                scaled, log_z = self._pending
+                scaled, log_z, _ = seen
                 child = self.trie.add_child(node, tok, float(scaled[tok]) - log_z)
                 if child is None:
                     self.done = True
                     return
             self.path.append(child)
-            self._pending = None
+            self._since.append(tok)
 
     def observe(
-        self, raw: torch.Tensor, masked: torch.Tensor
+        self, raw: torch.Tensor, masked: torch.Tensor, draft: Iterable[int] = ()
     ) -> tuple[list[int], list[float]] | None:
-        """Record this prefix's row; return (tokens, logit offsets) for the sampler.
+        """Record the row after the committed prefix + ``draft``; return
+        (tokens, logit offsets) for the sampler.
 
         ``raw`` is the row the processor received, ``masked`` the same row after
         the grammar mask (allowed tokens finite). The offsets, added to
         ``masked``, make the sampler (which divides by the temperature) draw
         ``t`` with probability proportional to ``P_T(t|w) * E~(wt)``; they are
         ``T * log E~`` for the children already in the trie (others keep 1).
-        None when the cursor has left the trie.
+        None when the cursor has left the trie, or nothing is to be reweighted.
         """
         if self.done:
             return None
-        node = self.path[-1]
+        if self._since:  # a new step: the previous step's rows are spent
+            self._seen = {}
+            self._since = []
+        draft = tuple(draft)
+        node: AsapNode | None = self.path[-1]
+        for tok in draft:
+            if tok in self.terminal:
+                return None  # after the end of the sample: no such row in plain decoding
+            node = node.children.get(tok) if node is not None and node.children else None
         scaled = raw / self.temperature  # log P_T(t|w) + log Z
+        known = node is not None and node.log_mass is not None
         parts = [torch.logsumexp(scaled, 0)]
-        if node.log_mass is None:
+        if not known:
             parts.append(torch.logsumexp(scaled.masked_fill(~torch.isfinite(masked), _NEG_INF), 0))
         values = torch.stack(parts).tolist()  # one device sync
         log_z = values[0]
         if not math.isfinite(log_z):
-            self.done = True
+            if not draft:
+                self.done = True
             return None
-        if node.log_mass is None:
-            node.log_mass = min(values[1] - log_z, 0.0)
-        self._pending = (scaled, log_z)
-        if not node.children:
+        log_mass = node.log_mass if known else min(values[1] - log_z, 0.0)
+        if not draft and node.log_mass is None:
+            node.log_mass = log_mass  # the committed position: as plain decoding
+        self._seen[draft] = (scaled, log_z, log_mass)
+        if node is None or not node.children:
             return None
         toks = list(node.children)
         offsets = [self.temperature * node.children[t].log_efg for t in toks]
         return toks, offsets
 
-    def finish(self) -> None:
-        """The sample is over (finished, cut or aborted): tighten its path's bounds."""
+    def finish(self, tail: Iterable[int] = ()) -> None:
+        """The sample is over (finished, cut or aborted): tighten its path's bounds.
+
+        ``tail``: the tokens sampled since the last advance, the sample's last
+        token included (under speculation a step commits several). All but
+        the last are followed, as plain decoding follows them one step at a
+        time; the last is sampled from the row of the prefix where plain
+        decoding's sample ends, whose mass is recorded.
+        """
         if self.finished:
             return
         self.finished = True
-        self._pending = None
+        tail = list(tail)
+        for k, tok in enumerate(tail):
+            if tok in self.terminal:  # the sample ended there
+                tail = tail[:k + 1]
+                break
+        if self.max_len is not None:  # tokens past the limit were never part of it
+            tail = tail[:max(self.max_len - (len(self.path) - 1), 0)]
+        if tail:
+            self.advance(tail[:-1])
+            seen = self._seen.get(tuple(self._since))
+            node = self.path[-1]
+            if not self.done and seen is not None and node.log_mass is None:
+                node.log_mass = seen[2]
+        self._seen = {}
         self.trie.active -= 1
         AsapTrie.update(self.path)
 
@@ -278,8 +333,9 @@ class AsapStore:
         self._tries[key] = trie
         return trie
 
-    def cursor(self, key: bytes | None, terminal: Iterable[int], temperature: float) -> AsapCursor:
-        return AsapCursor(self.trie(key), terminal, temperature)
+    def cursor(self, key: bytes | None, terminal: Iterable[int], temperature: float,
+               max_len: int | None = None) -> AsapCursor:
+        return AsapCursor(self.trie(key), terminal, temperature, max_len)
 
     def __len__(self) -> int:
         return len(self._tries)

@@ -259,30 +259,55 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
                         params.min_tokens, eos, params.allowed_token_ids,
                         params.bad_words))
         key = AsapStore.key(compiled.grammar, prompt, setting)
-        return self._asap.cursor(key, (eos, ll_eos), params.temperature)
+        terminal = {eos, ll_eos, *(params.stop_token_ids or ())}
+        return self._asap.cursor(key, terminal, params.temperature, params.max_tokens)
 
     def _align(self, logits: torch.Tensor, aligned: list[tuple[int, GrammarRequest]],
                raw: list[torch.Tensor]) -> None:
         """ASAp: reweight masked rows by the bounds of the children already sampled."""
         for (row, req), raw_row in zip(aligned, raw):
-            cursor = req.asap
-            if req.failed or self._runtime is None:
-                cursor.done = True
-                continue
-            res = cursor.observe(raw_row, logits[row])
-            if res is None:
-                continue
-            toks, offsets = res
-            index = torch.tensor(toks, device=logits.device)
-            before = logits[row, index]
-            logits[row, index] = before + torch.tensor(offsets, dtype=logits.dtype,
-                                                       device=logits.device)
-            if all(o == float("-inf") for o in offsets) and not torch.isfinite(logits[row]).any():
-                # Every allowed token is a known dead end (bounds of 0, e.g. all
-                # grammatical paths have probability 0): sample as plain masking.
-                logits[row, index] = before
-                self._log_once("asap:dead", "grammar 'aligned': every allowed token "
-                               "has a future-grammaticality bound of 0; masking plainly")
+            self._reweight(logits, row, req, raw_row)
+
+    def _reweight(self, logits: torch.Tensor, row: int, req: GrammarRequest,
+                  raw_row: torch.Tensor, draft: list[int] = ()) -> None:
+        """ASAp on one masked row: the one after the committed output + ``draft``."""
+        cursor = req.asap
+        if req.failed or self._runtime is None:
+            cursor.done = True
+            return
+        res = cursor.observe(raw_row, logits[row], draft)
+        if res is None:
+            return
+        toks, offsets = res
+        index = torch.tensor(toks, device=logits.device)
+        before = logits[row, index]
+        logits[row, index] = before + torch.tensor(offsets, dtype=logits.dtype,
+                                                   device=logits.device)
+        if all(o == float("-inf") for o in offsets) and not torch.isfinite(logits[row]).any():
+            # Every allowed token is a known dead end (bounds of 0, e.g. all
+            # grammatical paths have probability 0): sample as plain masking.
+            logits[row, index] = before
+            self._log_once("asap:dead", "grammar 'aligned': every allowed token "
+                           "has a future-grammaticality bound of 0; masking plainly")
+
+    def _mask_positions(self, logits: torch.Tensor,
+                        plan: list[tuple[GrammarRequest, list[int], list[int | None]]]
+                        ) -> torch.Tensor:
+        """Drafted rows (V1 under speculation): the grammar's mask at each
+        position (``DraftedRows``), then ASAp's weights at that position for
+        aligned requests: the row after ``draft[:j]`` is reweighted at the trie
+        node of the committed output + ``draft[:j]``, as plain decoding
+        reweights it after committing them (``AsapCursor`` says why that is
+        exact); the cursor keeps what each row teaches until the next step
+        shows which drafts were accepted."""
+        aligned = [(req, draft, rows, [None if r is None else logits[r].clone() for r in rows])
+                   for req, draft, rows in plan if req.asap is not None and not req.asap.done]
+        super()._mask_positions(logits, plan)
+        for req, draft, rows, raw in aligned:
+            for j, (row, raw_row) in enumerate(zip(rows, raw)):
+                if row is not None:
+                    self._reweight(logits, row, req, raw_row, draft[:j])
+        return logits
 
     def _mask(self, logits: torch.Tensor, rows: list[int], reqs: list[GrammarRequest],
               drafts: list[list[int]] | None = None) -> torch.Tensor:
@@ -370,12 +395,24 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
                 if rb is not None and direction == MoveDirectionality.SWAP:
                     reqs[a] = rb
                 elif rb is not None and rb.asap is not None:
-                    rb.asap.finish()  # overwritten by the move: its sample is over
+                    self._finish_asap(rb)  # overwritten by the move: its sample is over
 
     def _drop(self, index: int) -> None:
         req = self._reqs.pop(index, None)
         if req is not None and req.asap is not None:
-            req.asap.finish()  # the sample is over: ASAp tightens its path's bounds
+            self._finish_asap(req)
+
+    @staticmethod
+    def _finish_asap(req: GrammarRequest) -> None:
+        """The sample is over: ASAp tightens its path's bounds, the path
+        including the tokens of its last step (several under speculation;
+        the cursor cuts them where the sample ended)."""
+        tail: list[int] = []
+        if req.output is not None and not req.failed:
+            tail = req.output[req.n_consumed:]
+            if -1 in tail:  # async scheduling's placeholders: not known
+                tail = tail[:tail.index(-1)]
+        req.asap.finish(tail)
 
     def _apply_v1(self, logits: torch.Tensor) -> torch.Tensor:
         rows, reqs = self._v1_requests(logits.shape[0])

@@ -365,3 +365,208 @@ def test_max_nodes_env_is_validated(monkeypatch):
         asap.max_nodes_from_env()
     monkeypatch.setenv(asap.MAX_NODES_ENV, "123")
     assert asap.max_nodes_from_env() == 123
+
+
+# ------------------------------------------------------- under speculation
+# The processor is driven as vLLM's rejection sampler drives it under our
+# bridge (tests/test_processors_speculation.py runs the sampler itself): the
+# step's drafts handed over, the bonus row (after all drafts) through
+# ``apply``, the target rows (row j: after drafts[:j]) through
+# ``apply_drafted``; the runner then appends the accepted drafts and one
+# sampled token to the output. The reference is plain decoding of the same
+# trie (a deep copy), one position per step.
+#: Branches at every position (LARK's words are forced after their first
+#: token), so that drafted rows have several children to weigh.
+DIGITS = r"[0-9]{1,3}"
+
+
+def digits_params(eos: int, max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    sp = SamplingParams(temperature=1.0, max_tokens=max_tokens,
+                        extra_args={"grammar": {"regex": DIGITS, "aligned": True}})
+    sp.update_from_generation_config({}, eos)
+    return sp
+
+
+def trained(vllm_config, lm, prompt, eos, n=12):
+    """A processor whose trie has learnt from ``n`` aligned samples."""
+    proc = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    sample(proc, lm, prompt, digits_params(eos), n, seed=3)
+    return proc
+
+
+def fork(vllm_config, proc):
+    """A fresh processor holding a copy of ``proc``'s tries."""
+    import copy
+
+    other = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    other._get_runtime()
+    other._asap = copy.deepcopy(proc._asap)
+    return other
+
+
+def prefixes_with_children(trie):
+    """The prefixes of the trie's nodes that have children, longest first."""
+    out = []
+
+    def walk(node, pre):
+        if node.children:
+            out.append(pre)
+            for t, c in node.children.items():
+                walk(c, pre + (t,))
+
+    walk(trie.root, ())
+    return sorted(out, key=len, reverse=True)
+
+
+def add(proc, sp, prompt, out):
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, sp, list(prompt), out)],
+                                  moved=[]))
+
+
+def remove(proc):
+    proc.update_state(BatchUpdate(batch_size=0, removed=[0], added=[], moved=[]))
+
+
+def plain_rows(proc, lm, prompt, sp, tokens, end=True):
+    """Plain decoding committing ``tokens`` one step each: the processed row
+    at each position; the request leaves the batch after the last token if
+    ``end`` (its sample is over), else one more row is processed."""
+    out: list[int] = []
+    add(proc, sp, prompt, out)
+    rows = []
+    for tok in tokens:
+        rows.append(proc.apply(lm(prompt + tuple(out)).clone()[None])[0])
+        out.append(tok)
+        proc.update_state(None)
+    if not end:
+        rows.append(proc.apply(lm(prompt + tuple(out)).clone()[None])[0])
+    remove(proc)
+    return rows
+
+
+def spec_step(proc, lm, prompt, sp, drafts, committed, end=True):
+    """One speculative step with ``drafts``, the runner committing
+    ``committed``; then as plain_rows. Returns the step's rows by position
+    (len(drafts) + 1) and the rows of the next step, if any."""
+    out: list[int] = []
+    add(proc, sp, prompt, out)
+    rows = torch.stack([lm(prompt + tuple(drafts[:j])) for j in range(len(drafts) + 1)])
+    proc.begin_verification([list(drafts)])
+    try:
+        bonus = proc.apply(rows[-1:].clone())  # the plain sampler's rows come first
+        target = proc.apply_drafted(rows[:-1].clone(), [len(drafts)])
+    finally:
+        proc.end_verification()
+    step = list(target) + [bonus[0]]
+    out.extend(committed)
+    proc.update_state(None)
+    after = []
+    if not end:
+        after.append(proc.apply(lm(prompt + tuple(out)).clone()[None])[0])
+    remove(proc)
+    return step, after
+
+
+def same_rows(a, b):
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    return torch.equal(fa, fb) and torch.allclose(a[fa], b[fb], rtol=0, atol=1e-5)
+
+
+def trie_state(trie):
+    """Every node's (prefix, log_p, log_mass, log_efg), for exact comparison."""
+    out = {}
+
+    def walk(node, pre):
+        out[pre] = (round(node.log_p, 9), None if node.log_mass is None else
+                    round(node.log_mass, 9), round(node.log_efg, 9))
+        for t, c in (node.children or {}).items():
+            walk(c, pre + (t,))
+
+    walk(trie.root, ())
+    return out
+
+
+def grammatical(row, but=()):
+    return [t for t in torch.isfinite(row).nonzero().flatten().tolist() if t not in but]
+
+
+@pytest.mark.parametrize("case", ["none", "one", "all", "ends", "max_tokens"])
+def test_drafted_rows_get_plain_decodings_weights_and_only_commits_teach(
+    vllm_config, lm, tokenizer, prompt, case
+):
+    eos = tokenizer.eos_token_id
+    sp = digits_params(eos)
+    base = trained(vllm_config, lm, prompt, eos)
+    (trie,) = base._asap._tries.values()
+    # The drafts go down the trie to a node with children (its row is
+    # reweighted), then take a token the grammar allows there that is not in
+    # the trie yet: committed, it would add a node.
+    path = None
+    for prefix in prefixes_with_children(trie):
+        if not prefix:
+            continue
+        node = trie.root
+        for t in prefix:
+            node = node.children[t]
+        probe = plain_rows(fork(vllm_config, base), lm, prompt, sp, prefix, end=False)[-1]
+        new = grammatical(probe, but=(eos, *node.children))[:1]
+        if new:
+            path = list(prefix) + new
+            break
+    assert path is not None
+    n = len(path)
+    assert n >= 2, path
+    # Plain decoding's rows along the drafts, and one after them.
+    ref = plain_rows(fork(vllm_config, base), lm, prompt, sp, path, end=False)
+
+    drafts, end = list(path), False
+    if case in ("none", "one"):  # rejected at position a: another token sampled there
+        a = 0 if case == "none" else 1
+        committed = path[:a] + grammatical(ref[a], but=(path[a], eos))[:1]
+    elif case == "all":  # all accepted, and the bonus token
+        committed = path + (grammatical(ref[n], but=(eos,))[:1] or [eos])
+        end = committed[-1] == eos
+    elif case == "ends":  # the sample ends inside the step; the runner's
+        drafts = path + [eos]  # list holds a bonus token past its end
+        committed, end = drafts + [7], True
+    else:  # the step overshoots max_tokens: the sample ends at the limit
+        sp = digits_params(eos, max_tokens=2)
+        committed, end = path + [eos], True
+
+    spec = fork(vllm_config, base)
+    step, after = spec_step(spec, lm, prompt, sp, drafts, committed, end=end)
+    # Every row of the step is the row plain decoding gives its position.
+    for j in range(n + 1):
+        assert same_rows(step[j], ref[j]), f"position {j}"
+    # The test can fail: ASAp moved rows after drafts, not only the first.
+    moved = [j for j in range(1, n + 1) if not same_rows(
+        step[j], plain_masked(vllm_config, prompt, eos, path[:j], lm(prompt + tuple(path[:j]))))]
+    assert moved, "no drafted row was reweighted"
+
+    # After the step the trie holds what plain decoding committing the same
+    # tokens holds (nothing of the rejected drafts), its bounds tightened
+    # alike at the sample's end.
+    plain = fork(vllm_config, base)
+    kept = committed
+    if end:
+        kept = committed[:committed.index(eos) + 1] if eos in committed else committed
+        kept = kept[:sp.max_tokens]
+    want = plain_rows(plain, lm, prompt, sp, kept, end=end)
+    assert len(after) == (0 if end else 1)
+    for got, row in zip(after, want[-1:]):
+        assert same_rows(got, row)
+    (got_trie,) = spec._asap._tries.values()
+    (want_trie,) = plain._asap._tries.values()
+    got_state = trie_state(got_trie)
+    assert got_state == trie_state(want_trie)
+    # The test can fail: the last draft makes a node only where it was committed.
+    assert (tuple(path) in got_state) == (committed[:n] == path and sp.max_tokens >= n)
+
+
+def plain_masked(vllm_config, prompt, eos, output, row):
+    """The row masked by the grammar alone (no ASAp), after ``output``."""
+    proc = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    sp = digits_params(eos)
+    sp.extra_args = {"grammar": {"regex": DIGITS}}
+    add(proc, sp, prompt, list(output))
+    return proc.apply(row.clone()[None])[0]
