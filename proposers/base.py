@@ -17,6 +17,7 @@ import numpy as np
 
 from vllm_plugins.options import Option
 from vllm_plugins.proposers.draft_length import draft_length_options, make_controller
+from vllm_plugins.proposers.draft_length.controllers import trim  # noqa: F401 (re-exported)
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")
@@ -36,6 +37,11 @@ class PluginProposer:
     # cannot pay, and the step then costs what a step without speculation
     # costs, nearly (no top-k extraction, no learning, no drafting).
     CAN_REST = False
+    # Whether the draft-length policy may choose which nodes of this
+    # method's draft trees to verify (a node subset closed under ancestors,
+    # re-laid; docs/draft_length.md, "Trees"), rather than cut each tree to
+    # a prefix. The method then learns from the drafts ``proposed`` gets.
+    SHAPES_TREES = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -66,6 +72,7 @@ class PluginProposer:
         self.controller = self._make_controller()
         if self.controller is not None:
             self.controller.can_rest = self.CAN_REST
+            self.controller.shapes_trees = self.SHAPES_TREES
         # What the controller observed of the step being drafted (its
         # max_length reads it); None outside a step.
         self._observation = None
@@ -110,12 +117,15 @@ class PluginProposer:
             for req_id in sorted(ctx.finished):  # one order on every rank
                 self.free(req_id)
             if self.controller is None:
-                return self.draft(ctx)
-            observation = self._observation = self.controller.observe(ctx)
-            if observation.resting:
-                return Drafts([[] for _ in ctx.requests])
-            drafts = self.draft(ctx)
-            return trim(drafts, self.controller.decide(ctx, drafts, observation))
+                drafts = self.draft(ctx)
+            else:
+                observation = self._observation = self.controller.observe(ctx)
+                if observation.resting:
+                    drafts = Drafts([[] for _ in ctx.requests])
+                else:
+                    drafts = self.controller.shape(ctx, self.draft(ctx), observation)
+            self.proposed(ctx, drafts)
+            return drafts
         except Exception:  # a proposer bug costs drafts, never the engine
             self.num_errors += 1
             if not self._logged_error:
@@ -129,6 +139,10 @@ class PluginProposer:
 
     def draft(self, ctx: StepContext) -> Drafts:
         raise NotImplementedError
+
+    def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
+        """The drafts this step hands vLLM, after the draft-length policy
+        (a tree may come back as a subset of its nodes, re-laid)."""
 
     def continue_draft(self, request: RequestStep, prefix: np.ndarray, n: int) -> np.ndarray:
         """Up to ``n`` token ids that follow ``request.context`` + ``prefix``.
@@ -191,18 +205,3 @@ def verification_depends_on_token(sampling_params) -> bool:
     probability rows: with one-hot rows vLLM's rejection sampling is exact
     whatever chose the token (proposers/stand.py, rule 3)."""
     return getattr(sampling_params, "structured_outputs", None) is not None
-
-
-def trim(drafts: Drafts, keep: list[int]) -> Drafts:
-    tokens = [t[:k] for t, k in zip(drafts.tokens, keep)]
-    probs = None
-    if drafts.probs is not None:
-        probs = [None if p is None else p[:k] for p, k in zip(drafts.probs, keep)]
-    conf = None
-    if drafts.confidence is not None:
-        conf = [None if c is None else c[:k] for c, k in zip(drafts.confidence, keep)]
-    parents = None
-    if drafts.parents is not None:  # a prefix of a tree is a tree
-        parents = [None if p is None else p[:k] for p, k in zip(drafts.parents, keep)]
-    return Drafts(tokens, probs, conf, parents)
-

@@ -22,7 +22,8 @@ largest batch seen. Tables and walk: ``token_recycling_tables``.
 ``"draft_shape": "tree"`` drafts a tree per request instead, up to
 ``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
 sampling the tree path cannot serve (the bridge's ``tree_allowed``) keep the
-chain.
+chain. The ``goodput`` policy then chooses which nodes to verify each step
+(docs/draft_length.md, "Trees"); ``fixed`` verifies them all.
 """
 
 from __future__ import annotations
@@ -75,6 +76,17 @@ class TokenRecyclingProposer(PluginProposer):
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
     CAN_REST = True   # drafts from the tables and each request's context
+    SHAPES_TREES = True   # learns from the nodes sent (``proposed``)
+    # Policies that read a tree node by node (the others read it as a chain).
+    TREE_POLICIES = ("fixed", "goodput")
+
+    @classmethod
+    def check_options(cls, where: str, options: dict) -> None:
+        if options["draft_shape"] == "tree" and options["draft_length"] not in cls.TREE_POLICIES:
+            raise ValueError(
+                f"speculative_config option 'draft_length' of method '{where}' must be "
+                f"one of {list(cls.TREE_POLICIES)} with draft_shape='tree' (the others "
+                f"read a tree as a chain), got {options['draft_length']!r}")
 
     def __init__(self, vllm_config=None, options: dict | None = None,
                  vocab_size: int | None = None):
@@ -218,10 +230,23 @@ class TokenRecyclingProposer(PluginProposer):
             tokens[i] = tok.tolist()
             parents[i] = par.tolist()
             conf[i] = p.astype(np.float32)
-            self._drafted_trees[r.req_id] = (tok, par)
         if chains:
             self._draft_chains(chains, tokens, conf)
         return Drafts(tokens, None, conf, parents)
+
+    def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
+        """Record each request's tree as sent (the policy may send a subset
+        of the drafted nodes, re-laid): the next step's verified rows are
+        read against it."""
+        if self._tree is None:
+            return
+        parents = drafts.parents or [None] * len(ctx.requests)
+        for r, tok, par in zip(ctx.requests, drafts.tokens, parents):
+            if par is None or not tok:
+                self._drafted_trees.pop(r.req_id, None)
+            else:
+                self._drafted_trees[r.req_id] = (np.asarray(tok, np.int64),
+                                                 np.asarray(par, np.int64))
 
     def _walk_buffers(self, rows: int, length: int):
         """The walk's inputs and outputs for ``rows`` requests of drafts up

@@ -30,16 +30,19 @@ from vllm_plugins.proposers.draft_length.controllers import (
     AcceptanceController, ConfidenceController, DraftLengthController,
     EstimatingController, FixedController, Observation)
 from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
+from vllm_plugins.proposers.draft_length.tree_goodput import TreeGoodputController
 
+# ``goodput`` is the tree-aware controller: on chains it is GoodputController.
 CONTROLLERS: dict[str, type[DraftLengthController]] = {
     c.name: c for c in (FixedController, AcceptanceController, ConfidenceController,
-                        GoodputController)
+                        TreeGoodputController)
 }
 POLICIES = tuple(CONTROLLERS)
 
 __all__ = ["CONTROLLERS", "POLICIES", "AcceptanceController", "ConfidenceController",
            "DraftLengthController", "EstimatingController", "FixedController",
-           "GoodputController", "Observation", "draft_length_options",
+           "GoodputController", "Observation", "TreeGoodputController",
+           "draft_length_options",
            "goodput_allocation", "make_controller", "policy_options"]
 
 

@@ -86,7 +86,12 @@ class ConfidenceCalibrator:
         g = (self.gs[b] + k * c) / (self.gn[b] + k)
         return (self.gps[j, b] + k * g) / (self.gpn[j, b] + k)
 
-    def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
+    def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray,
+                extra: tuple | None = None) -> None:
+        """Learn the kept drafts' outcomes (n observed positions, the first
+        m accepted) and ``extra``: (row index into ``rows``, position
+        0-based, raw confidence, outcome) arrays of outcomes read elsewhere
+        (tree nodes, by depth)."""
         a = self.slots.arrays
         conf = a["conf_kept"][rows]
         a["conf_kept"][rows] = np.nan  # consumed (or stale) either way
@@ -96,13 +101,17 @@ class ConfidenceCalibrator:
         m = np.minimum(m, n)
         obs, acc = outcome_masks(n, m, self.depth)
         obs &= ~np.isnan(conf)
-        if not obs.any():
-            return
-        has = obs.any(1)
         r_idx, j_idx = np.nonzero(obs)
-        c = np.clip(conf[r_idx, j_idx].astype(np.float64), 0.0, 1.0)
-        b = self._bin(c)
+        c = conf[r_idx, j_idx].astype(np.float64)
         x = acc[r_idx, j_idx].astype(np.float64)
+        if extra is not None:
+            r_idx, j_idx, c, x = (np.concatenate([u, np.asarray(v, u.dtype)])
+                                  for u, v in zip((r_idx, j_idx, c, x), extra))
+        if len(r_idx) == 0:
+            return
+        has = np.bincount(r_idx, minlength=len(rows)) > 0
+        c = np.clip(c, 0.0, 1.0)
+        b = self._bin(c)
         expected = self._global(j_idx, c)          # before this step's outcomes
         self.gs *= self._gdecay
         self.gn *= self._gdecay
@@ -120,6 +129,16 @@ class ConfidenceCalibrator:
         a["cal_e"][hr] *= self.decay
         a["cal_s"][rows] += np.bincount(r_idx, weights=x, minlength=len(rows))
         a["cal_e"][rows] += np.bincount(r_idx, weights=expected, minlength=len(rows))
+
+    def calibrate_at(self, rows: np.ndarray, j: np.ndarray, conf: np.ndarray) -> np.ndarray:
+        """Calibrated probabilities of single drafts: slot row, position
+        (0-based; a tree node's depth - 1) and raw confidence per entry."""
+        c = np.clip(np.nan_to_num(conf.astype(np.float64)), 0.0, 1.0)
+        g = self._global(np.minimum(j, self.depth - 1), c)
+        a = self.slots.arrays
+        k = self._STRENGTH
+        level = (a["cal_s"][rows] + k) / (a["cal_e"][rows] + k)
+        return np.clip(odds_scale(g, level), EPS, 1.0 - EPS)
 
     def calibrate(self, rows: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities, same shape as ``conf`` (column j = draft
@@ -141,7 +160,45 @@ class ConfidenceCalibrator:
                 / (self.gn + self._STRENGTH)]
 
 
-class PrefixCalibrator:
+class OutcomeCalibrator:
+    """Maps a predicted probability to how often such predictions came true:
+    per log-spaced bucket of the prediction q, decayed sums of outcomes S_b
+    and of predictions E_b give
+
+        q_cal = q * (S_b + k) / (E_b + k)        k = 2 pseudo-outcomes
+    """
+
+    EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
+    _STRENGTH = 2.0
+    _HALF_LIFE = 256.0   # steps
+
+    def __init__(self):
+        nb = len(self.EDGES) + 1
+        self.s = np.zeros(nb)
+        self.e = np.zeros(nb)
+        self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
+
+    def factor(self, q: np.ndarray) -> np.ndarray:
+        b = np.searchsorted(self.EDGES, q)
+        k = self._STRENGTH
+        return (self.s[b] + k) / (self.e[b] + k)
+
+    def learn(self, q: np.ndarray, x: np.ndarray) -> None:
+        """One step's predictions ``q`` and their outcomes ``x`` (0/1)."""
+        if len(q) == 0:
+            return
+        q = np.asarray(q, np.float64)
+        b = np.searchsorted(self.EDGES, q)
+        nb = len(self.s)
+        self.s = self._decay * self.s + np.bincount(b, weights=x, minlength=nb)
+        self.e = self._decay * self.e + np.bincount(b, weights=q, minlength=nb)
+
+    def table(self) -> list[float]:
+        k = self._STRENGTH
+        return [round(float(v), 3) for v in (self.s + k) / (self.e + k)]
+
+
+class PrefixCalibrator(OutcomeCalibrator):
     """Maps the prefix probability a decision used to how often such prefixes
     were really accepted.
 
@@ -153,31 +210,15 @@ class PrefixCalibrator:
     did not pay. Here the q of every kept draft and of the first cut one is
     stored at ``decide``; next step the prefix outcome of each is known (a
     prefix fails at the first rejection; the cut draft's outcome is read as
-    in ``_observe_cut``). Per log-spaced bucket of q, decayed sums of
-    outcomes S_b and of predictions E_b give the correction
-
-        q_cal = q * (S_b + k) / (E_b + k)        k = 2 pseudo-drafts
-
+    in ``_observe_cut``) and corrects q per bucket (``OutcomeCalibrator``),
     made non-increasing along the draft again, and clipped to [EPS, 1 - EPS].
     """
 
-    EDGES = np.array([0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9])
-    _STRENGTH = 2.0
-    _HALF_LIFE = 256.0   # steps
-
     def __init__(self, slots: RequestSlots, max_draft: int):
+        super().__init__()
         self.slots = slots
         self.depth = max_draft
-        nb = len(self.EDGES) + 1
-        self.s = np.zeros(nb)
-        self.e = np.zeros(nb)
-        self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
         slots.add("q_used", (max_draft,), np.float64, np.nan)
-
-    def factor(self, q: np.ndarray) -> np.ndarray:
-        b = np.searchsorted(self.EDGES, q)
-        k = self._STRENGTH
-        return (self.s[b] + k) / (self.e[b] + k)
 
     def apply(self, q: np.ndarray) -> np.ndarray:
         out = np.clip(q * self.factor(q), EPS, 1.0 - EPS)
@@ -206,14 +247,4 @@ class PrefixCalibrator:
         seen = ~np.isnan(q) & ((j < n[:, None]) | (m[:, None] < n[:, None]))
         if not seen.any():
             return
-        x = (j < m[:, None])[seen].astype(np.float64)
-        qs = q[seen].astype(np.float64)
-        b = np.searchsorted(self.EDGES, qs)
-        nb = len(self.s)
-        self.s = self._decay * self.s + np.bincount(b, weights=x, minlength=nb)
-        self.e = self._decay * self.e + np.bincount(b, weights=qs, minlength=nb)
-
-    def table(self) -> list[float]:
-        k = self._STRENGTH
-        return [round(float(v), 3) for v in (self.s + k) / (self.e + k)]
-
+        self.learn(q[seen], (j < m[:, None])[seen].astype(np.float64))

@@ -67,6 +67,10 @@ class DraftLengthController:
     OPTIONS: tuple = ()
     # Set by the proposer: whether it may skip whole steps (PluginProposer.CAN_REST).
     can_rest = False
+    # Set by the proposer: whether the policy may choose which nodes of its
+    # draft trees to verify (PluginProposer.SHAPES_TREES); otherwise a tree
+    # is cut to a prefix like a chain.
+    shapes_trees = False
 
     def __init__(self, max_draft: int, options: dict):
         self.max_draft = int(max_draft)
@@ -103,6 +107,12 @@ class DraftLengthController:
 
     def decide(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> list[int]:
         return self._decide_counted(ctx, drafts, observation)[0]
+
+    def shape(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> Drafts:
+        """The drafts to verify this step (what the proposer base returns):
+        the prefixes ``decide`` keeps. A policy that chooses a tree's nodes
+        returns them instead; the same once-per-step rule as ``decide``."""
+        return trim(drafts, self.decide(ctx, drafts, observation))
 
     def _decide_counted(self, ctx: StepContext, drafts: Drafts, observation: Observation
                         ) -> tuple[list[int], bool]:
@@ -155,6 +165,22 @@ class DraftLengthController:
         }
 
 
+def trim(drafts: Drafts, keep: list[int]) -> Drafts:
+    """The first ``keep[i]`` drafts of each row (tokens, probability rows,
+    confidences, parents: a prefix of a tree is a tree)."""
+    tokens = [t[:k] for t, k in zip(drafts.tokens, keep)]
+    probs = None
+    if drafts.probs is not None:
+        probs = [None if p is None else p[:k] for p, k in zip(drafts.probs, keep)]
+    conf = None
+    if drafts.confidence is not None:
+        conf = [None if c is None else c[:k] for c, k in zip(drafts.confidence, keep)]
+    parents = None
+    if drafts.parents is not None:
+        parents = [None if p is None else p[:k] for p, k in zip(drafts.parents, keep)]
+    return type(drafts)(tokens, probs, conf, parents)
+
+
 class FixedController(DraftLengthController):
     """Keep every draft."""
 
@@ -201,6 +227,12 @@ class EstimatingController(DraftLengthController):
         emitted = np.array([len(r.accepted) for r in reqs], dtype=np.int64)
         n = np.array([r.num_draft for r in reqs], dtype=np.int64)
         n = np.where(emitted > 0, n, 0)
+        # Rows whose drafts were trees teach the per-position estimates
+        # nothing; the policy reads them node by node (``extra``: their
+        # node outcomes for the confidence calibration).
+        trees, extra = self._learn_trees(ctx, rows)
+        if trees is not None:
+            n = np.where(trees, 0, n)
         m = np.minimum(np.maximum(emitted - 1, 0), n)
         n, m = self._observe_cut(reqs, rows, emitted, n, m)
         if self.prefix is not None:
@@ -214,8 +246,14 @@ class EstimatingController(DraftLengthController):
             a["probe_level"][pr] = np.where(m[probed] > 0, 0, a["probe_level"][pr] + 1)
         a["probing"][rows] = False
         if self.calibrator is not None:
-            self.calibrator.observe(rows, n, m)
+            self.calibrator.observe(rows, n, m, extra)
         return observation
+
+    def _learn_trees(self, ctx: StepContext, rows: np.ndarray):
+        """(bool per row: its last drafts were a tree the policy reads node
+        by node, or None; those nodes' outcomes for the confidence
+        calibration, or None). Chain policies read no trees."""
+        return None, None
 
     def _bound(self, ctx: StepContext, observation: Observation) -> None:
         """Each request's ``max_length`` for the step, all at once (drafting
@@ -267,30 +305,51 @@ class EstimatingController(DraftLengthController):
     # ------------------------------------------------------------- decide
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
               observation: Observation, bound: np.ndarray) -> np.ndarray:
+        rows = self._rows(ctx, lengths, observation)
+        width = int(lengths.max())
+        if width == 0:   # nothing offered (e.g. max_length said 0 to all)
+            return self._settle(rows, drafts, lengths, np.zeros(len(lengths), np.int64),
+                                bound, None, None)
+        q, q_raw, conf = self._prefix_probs(rows, drafts, width, observation)
+        valid = np.arange(width)[None, :] < lengths[:, None]
+        keep = self._choose(lengths, q, valid, observation)
+        return self._settle(rows, drafts, lengths, keep, bound, q_raw, conf)
+
+    def _rows(self, ctx: StepContext, lengths: np.ndarray, observation: Observation
+              ) -> np.ndarray:
         if len(ctx.requests) != len(lengths):
             raise ValueError(f"drafts has {len(lengths)} rows for a batch of "
                              f"{len(ctx.requests)} requests")
-        rows = observation.rows
-        if rows is None:
-            rows = self.slots.slots([r.req_id for r in ctx.requests])
-        width = int(lengths.max())
-        if width == 0:   # nothing offered (e.g. max_length said 0 to all)
-            keep = self._probe(rows, lengths, np.zeros(len(lengths), np.int64), bound)
-            if self.calibrator is not None:
-                self.calibrator.remember(rows, None, keep)
-            return np.minimum(keep, lengths)
+        if observation.rows is not None:
+            return observation.rows
+        return self.slots.slots([r.req_id for r in ctx.requests])
+
+    def _prefix_probs(self, rows: np.ndarray, drafts: Drafts, width: int,
+                      observation: Observation):
+        """(prefix probabilities P(drafts 1..j accepted) as the rule reads
+        them, the same before prefix calibration, the raw confidences or
+        None), each [rows, width]."""
         p = (observation.probs if observation.probs is not None
              else self.estimator.probs(rows))[:, :width]
         conf = self._confidence_matrix(drafts, width)
         if conf is not None:
             cal = self.calibrator.calibrate(rows, conf)
             p = np.where(np.isnan(cal), p, cal)
-        q = np.cumprod(p, axis=1)   # prefix probabilities: P(drafts 1..j accepted)
-        valid = np.arange(width)[None, :] < lengths[:, None]
-        q_raw = q
-        if self.prefix is not None:
-            q = self.prefix.apply(q)
-        keep = self._choose(lengths, q, valid, observation)
+        q_raw = np.cumprod(p, axis=1)
+        q = self.prefix.apply(q_raw) if self.prefix is not None else q_raw
+        return q, q_raw, conf
+
+    def _settle(self, rows, drafts: Drafts, lengths: np.ndarray, keep: np.ndarray,
+                bound: np.ndarray, q_raw: np.ndarray | None, conf: np.ndarray | None
+                ) -> np.ndarray:
+        """Probes, then what the next step's outcomes are matched with: the
+        first cut draft, the kept prefixes' probabilities and confidences.
+        Returns the kept lengths."""
+        if q_raw is None:
+            keep = self._probe(rows, lengths, keep, bound)
+            if self.calibrator is not None:
+                self.calibrator.remember(rows, None, keep)
+            return np.minimum(keep, lengths)
         observable = self._cut_observable(drafts, lengths)
         keep = self._probe(rows, lengths, keep, bound, observable)
         keep = np.minimum(keep, lengths)

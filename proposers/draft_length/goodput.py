@@ -154,7 +154,11 @@ class GoodputController(EstimatingController):
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
             verifies = any(r.num_draft > 0 for r in ctx.requests)
             self.cost.observe(float(tokens), float(len(ctx.requests)), float(seconds),
-                              verifies, new_shape)
+                              verifies, new_shape, self._verified_tree(ctx))
+
+    def _verified_tree(self, ctx: StepContext) -> bool:
+        """Whether the step that ran verified a draft tree (not a chain)."""
+        return False
 
     def _explore_cap(self, batch: int) -> int | None:
         """Decided before drafting, so ``max_length`` sees it: while the cost
@@ -215,9 +219,7 @@ class GoodputController(EstimatingController):
             self.explore_steps += 1
             return np.minimum(lengths, observation.explore_cap)
         a, b = self.cost.line(batch)
-        keep, goodput, tokens = goodput_allocation(
-            q, valid, a, b, self.cost.verify_step_s, self.cost.new_shape_s,
-            self.sizes.array())
+        keep, goodput, tokens = self._allocate(q, valid, a, b)
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         self.rest.promised = goodput
@@ -232,6 +234,13 @@ class GoodputController(EstimatingController):
         tau = b * goodput
         self._probe_scale = 0 if tau >= 1.0 else int(min(8, max(1, round(1 / (1 - tau)))))
         return keep
+
+    def _allocate(self, q: np.ndarray, valid: np.ndarray, intercept: float, slope: float
+                  ) -> tuple[np.ndarray, float, float]:
+        """The rule's allocation on the step line (intercept, slope):
+        (kept drafts per row, expected goodput, expected tokens)."""
+        return goodput_allocation(q, valid, intercept, slope, self.cost.verify_step_s,
+                                  self.cost.new_shape_s, self.sizes.array())
 
     def stats(self) -> dict:
         out = super().stats()

@@ -13,6 +13,7 @@ from vllm_plugins.options import choice, flag, integer, number
 COST_OPTIONS = (
     choice("cost_features", "tokens+batch", ("tokens", "tokens+batch")),
     flag("verify_step_cost", True),
+    flag("tree_step_cost", True),
     integer("shape_cache", 32, 0, 4096,
             rule="an integer in [0, 4096] (0: no new-shape cost)"),
     integer("cost_window", 256, 8, 65536),
@@ -25,10 +26,10 @@ class StepCostModel:
     """Engine step time as a linear function, fitted online.
 
         t(step) ~= a + b * tokens (+ c * batch)
-                   (+ verify_step_s * verifies) (+ new_shape_s * new_shape),
-                   all coefficients >= 0
+                   (+ verify_step_s * verifies) (+ new_shape_s * new_shape)
+                   (+ tree_step_s * tree), all coefficients >= 0
 
-    Two step-level terms (docs/draft_length.md):
+    Three step-level terms (docs/draft_length.md):
 
     - ``verifies`` is 1 for a step that verified at least one draft: vLLM's
       speculative path costs a fixed extra beyond the line through steps
@@ -41,13 +42,16 @@ class StepCostModel:
       against a cached one). A rule blind to this spreads the step's token
       count over many values and pays it again and again (a GPU with CUDA
       graphs has the same kind of cost for sizes off its captured set).
+    - ``tree`` is 1 for a step that verified at least one draft tree that is
+      not a chain: the bridge recomputes those requests' attention rows
+      with the ancestry mask and moves the accepted nodes' K/V.
 
     Fitted by least squares over the last ``window`` (tokens, batch,
-    verifies, new_shape, seconds) observations (a ring buffer), with one round of
+    verifies, new_shape, tree, seconds) observations (a ring buffer), with one round of
     outlier rejection (|residual| > 5 robust sigmas) and a non-negativity
     constraint (the best non-negative subset fit). ``batch`` is dropped when
-    it does not vary independently of ``tokens`` in the window; ``verifies``
-    and ``new_shape`` while fewer than ``_MIN_MODE_STEPS`` steps of either kind
+    it does not vary independently of ``tokens`` in the window; ``verifies``,
+    ``new_shape`` and ``tree`` while fewer than ``_MIN_MODE_STEPS`` steps of either kind
     are in it (each then keeps its last estimate: it is a property of the
     runtime, and once the rule avoids such steps they become rare).
     Before ``warmup`` observations with at least two distinct token counts,
@@ -64,14 +68,16 @@ class StepCostModel:
 
     def __init__(self, *, cost_features: str = "tokens+batch", cost_window: int = 256,
                  warmup: int = 16, prior_token_cost: float = 0.001,
-                 verify_step_cost: bool = True, shape_cache: int = 32, **_: Any):
+                 verify_step_cost: bool = True, shape_cache: int = 32,
+                 tree_step_cost: bool = True, **_: Any):
         self.use_batch = cost_features == "tokens+batch"
         self.use_verify_step = verify_step_cost
+        self.use_tree_step = tree_step_cost
         self.use_shape = shape_cache > 0
         self.window = cost_window
         self.warmup = warmup
         self.prior_token_cost = prior_token_cost
-        self._x = np.zeros((cost_window, 4))   # tokens, batch, verifies, new_shape
+        self._x = np.zeros((cost_window, 5))   # tokens, batch, verifies, new_shape, tree
         self._y = np.zeros(cost_window)
         self._len = 0
         self._pos = 0
@@ -80,6 +86,7 @@ class StepCostModel:
         self._coef = (1.0, prior_token_cost, 0.0)
         self.verify_step_s = 0.0       # extra fixed cost of a verifying step
         self.new_shape_s = 0.0         # extra cost of a step with a new token count
+        self.tree_step_s = 0.0         # extra cost of a step that verifies a tree
         self._warm = False
         self._rmse = float("nan")
         self._outliers = 0
@@ -87,10 +94,10 @@ class StepCostModel:
         self.slope_se = float("inf")   # standard error of b (s/token)
 
     def observe(self, tokens: float, batch: float, seconds: float,
-                verifies: bool = True, new_shape: bool = False) -> None:
+                verifies: bool = True, new_shape: bool = False, tree: bool = False) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
-        self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape))
+        self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape), float(tree))
         self._y[self._pos] = seconds
         self._pos = (self._pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
@@ -110,6 +117,13 @@ class StepCostModel:
         idle = int(self._len - self._x[:self._len, 2].sum())
         return idle < self._MIN_MODE_STEPS
 
+    def needs_tree_step(self) -> bool:
+        """Whether the window holds too few steps that verified a tree to
+        fit the tree-step cost (it then keeps its last estimate)."""
+        if not self.use_tree_step:
+            return False
+        return int(self._x[:self._len, 4].sum()) < self._MIN_MODE_STEPS
+
     def line(self, batch: int) -> tuple[float, float]:
         """(intercept, slope) of t(tokens) for a step of ``batch`` requests
         that verifies no draft; one that does costs ``verify_step_s`` more."""
@@ -122,6 +136,7 @@ class StepCostModel:
         a, b, c = self._coef
         return {"intercept_s": a, "per_token_s": b, "per_request_s": c,
                 "verify_step_s": self.verify_step_s, "new_shape_s": self.new_shape_s,
+                "tree_step_s": self.tree_step_s,
                 "warm": self._warm, "observations": self.num_observed,
                 "window": self._len,
                 "rmse_s": None if math.isnan(self._rmse) else self._rmse,
@@ -151,7 +166,8 @@ class StepCostModel:
             names.append("c")
         y = y.copy()
         for col, name, used in ((2, "verify_step_s", self.use_verify_step),
-                                (3, "new_shape_s", self.use_shape)):
+                                (3, "new_shape_s", self.use_shape),
+                                (4, "tree_step_s", self.use_tree_step)):
             marked = self._x[:n, col]
             ones = int(marked.sum())
             if used and min(ones, n - ones) >= self._MIN_MODE_STEPS and _independent(tok, marked):
@@ -184,13 +200,14 @@ class StepCostModel:
         self._coef = (got["a"], got["b"], got.get("c", 0.0))
         self.verify_step_s = got.get("verify_step_s", self.verify_step_s)
         self.new_shape_s = got.get("new_shape_s", self.new_shape_s)
+        self.tree_step_s = got.get("tree_step_s", self.tree_step_s)
         self._warm = True
 
     @staticmethod
     def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Least squares with all coefficients >= 0, exact: the non-negative
         optimum is the plain fit on its own support, so the best of the
-        plain fits on every subset of the <= 5 columns that come out
+        plain fits on every subset of the <= 6 columns that come out
         non-negative is it. All subsets are solved at once on the p x p
         normal equations of max-scaled columns (SSE = y.y - c.h): one pass
         over the window, then one batched p x p solve (one ``lstsq`` per

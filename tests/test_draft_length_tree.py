@@ -1,0 +1,350 @@
+"""The goodput policy on draft trees: which nodes to verify, from the step
+cost (proposers/draft_length/tree_goodput.py, vllm_plugins/tree/select.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from tests.draft_length_tree_world import OTHER, TOKEN_BASE, Cost, TreeWorld, make_tree, run
+from vllm_plugins.proposers.draft_length import (GoodputController, TreeGoodputController,
+                                                 make_controller)
+from vllm_plugins.proposers.draft_length.tree_goodput import CHAIN, TREE, tree_allocation
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.tree import select
+from vllm_plugins.tree.draft import path_to
+
+
+def random_tree(rng, n):
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    cond = rng.uniform(0.05, 0.95, n)
+    q = select.path_probabilities(parents, cond)
+    return parents, q
+
+
+def closed_sets(parents):
+    """Every node set closed under ancestors (as sorted tuples)."""
+    n = len(parents)
+    for bits in range(1 << n):
+        nodes = [i for i in range(n) if bits >> i & 1]
+        if all(parents[v] == -1 or (bits >> parents[v] & 1) for v in nodes):
+            yield nodes
+
+
+def is_path(parents, nodes):
+    """Whether a closed node set is one root-down path."""
+    s = set(nodes)
+    return all(sum(1 for v in nodes if parents[v] == p) <= 1 for p in [-1, *s])
+
+
+# ------------------------------------------------------------ selection
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ranked_prefixes_are_trees_and_relaid_parents_keep_each_path(seed):
+    rng = np.random.default_rng(seed)
+    parents, q = random_tree(rng, int(rng.integers(1, 12)))
+    order = select.rank_nodes(q)
+    for k in range(len(order) + 1):
+        nodes = [int(v) for v in order[:k]]
+        assert select.is_closed(parents, nodes)
+        # The top-k set by q is the most probable closed set of its size.
+        best = max((sum(q[list(s)]) for s in closed_sets(parents) if len(s) == k))
+        assert sum(q[nodes]) == pytest.approx(best)
+        relaid = select.relaid_parents(parents, nodes)
+        assert all(p < i for i, p in enumerate(relaid))
+        for i, v in enumerate(nodes):   # same path, as original indices
+            assert [nodes[u] for u in path_to(relaid, i)] == path_to(parents, v)
+
+
+def test_relaying_a_node_before_its_parent_fails():
+    with pytest.raises(ValueError, match="before its parent"):
+        select.relaid_parents([-1, 0], [1, 0])
+    assert not select.is_closed([-1, 0, 1], [0, 2])
+
+
+def test_best_path_descends_through_the_most_probable_child():
+    parents = [-1, -1, 0, 0, 1, 3]
+    q = [0.5, 0.5, 0.2, 0.3, 0.45, 0.1]
+    assert select.best_path(parents, q) == [0, 3, 5]   # tie at the root: lower index
+
+
+# ------------------------------------------------------------ allocation
+
+def _exact(rows, a, b, v, t):
+    """Exhaustive search: every closed set per tree row (every prefix per
+    chain row), a tree row that keeps a path must keep its best path's
+    prefix, the tree term charged when any tree row keeps a non-path."""
+    choices = []
+    for kind, parents, q in rows:
+        if kind == "chain":
+            choices.append([list(range(k)) for k in range(len(q) + 1)])
+            continue
+        path = select.best_path(parents, q)
+        choices.append([s for s in closed_sets(parents)
+                        if not is_path(parents, s) or s == sorted(path[:len(s)])
+                        and s == path[:len(s)]])
+    best = -1.0
+    for pick in itertools.product(*choices):
+        m = sum(len(s) for s in pick)
+        tree = any(kind == "tree" and not is_path(parents, s)
+                   for (kind, parents, _), s in zip(rows, pick))
+        gain = len(rows) + sum(float(np.sum(np.asarray(q)[s])) for (_, _, q), s in zip(rows, pick))
+        cost = a + b * (len(rows) + m) + (v if m else 0.0) + (t if tree else 0.0)
+        best = max(best, gain / cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("tree_step_s", [0.0, 0.3])
+def test_allocation_matches_exhaustive_search(seed, tree_step_s):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(2):
+        parents, q = random_tree(rng, int(rng.integers(1, 6)))
+        rows.append(("tree", parents, q))
+    q_chain = np.cumprod(rng.uniform(0.2, 0.95, int(rng.integers(0, 4))))
+    rows.append(("chain", None, q_chain))
+    width = max(len(q) for _, _, q in rows)
+    qa, qb = np.zeros((3, width)), np.zeros((3, width))
+    va, vb = np.zeros((3, width), bool), np.zeros((3, width), bool)
+    for i, (kind, parents, q) in enumerate(rows):
+        order = (np.arange(len(q)) if kind == "chain" else select.rank_nodes(q))
+        path = np.arange(len(q)) if kind == "chain" else select.best_path(parents, q)
+        qa[i, :len(order)], va[i, :len(order)] = np.asarray(q)[order], True
+        qb[i, :len(path)], vb[i, :len(path)] = np.asarray(q)[path], True
+    a, b, v = 1.0, float(rng.uniform(0.02, 0.6)), float(rng.choice([0.0, 0.2]))
+    keep, goodput, tokens, mode = tree_allocation(qa, va, qb, vb, a, b, v, tree_step_s)
+    assert goodput == pytest.approx(_exact(rows, a, b, v, tree_step_s))
+    # The claimed goodput is that of what it keeps.
+    q_used = qa if mode == TREE else qb
+    gain = sum(q_used[i, :keep[i]].sum() for i in range(3))
+    assert tokens == pytest.approx(3 + gain)
+    if tree_step_s == 0.0:   # no tree term: the optimum over every closed set
+        free = max(
+            (3 + sum(float(np.sum(np.asarray(q)[s])) for (_, _, q), s in zip(rows, pick)))
+            / (a + b * (3 + sum(map(len, pick))) + (v if any(pick) else 0.0))
+            for pick in itertools.product(*[
+                [list(range(k)) for k in range(len(q) + 1)] if kind == "chain"
+                else list(closed_sets(parents)) for kind, parents, q in rows]))
+        assert goodput == pytest.approx(free)
+
+
+# ------------------------------------------------------------- outcomes
+
+def test_outcomes_from_emitted_tokens_on_a_hand_made_tree():
+    #          root
+    #        /  |   \
+    #      0(5) 1(6) 4(9)       tokens in parentheses
+    #     /  \    \
+    #   2(7) 3(8)  5(7)
+    tokens = [5, 6, 7, 8, 9, 7]
+    parents = [-1, -1, 0, 0, -1, 1]
+    # Verified: 0, 1, 3 (2, 4, 5 cut). Target emitted 5 then 7: node 0 was
+    # accepted, node 2 (token 7) was cut, so 7 is the bonus token.
+    path = select.accepted_path(tokens, parents, [0, 1, 3], [5, 7])
+    assert path == [0]
+    observed, accepted = select.node_outcomes(tokens, parents, path, [5, 7])
+    # Root children (0, 1, 4) and node 0's children (2, 3) are observed;
+    # node 5 (child of the rejected node 1) is not.
+    assert observed.tolist() == [True, True, True, True, True, False]
+    assert accepted.tolist() == [True, False, True, False, False, False]
+    # Had node 2 been verified, the emitted 7 would have been accepted: not
+    # a path of this verification.
+    assert select.accepted_path(tokens, parents, [0, 2], [5, 7]) is None
+    assert select.accepted_path(tokens, parents, [0, 2], [5, 7, 3]) == [0, 2]
+    assert select.accepted_path(tokens, parents, [1], [5, 7]) is None
+    # Duplicated sibling tokens: the first in the order sent wins.
+    assert select.accepted_path([4, 4], [-1, -1], [1, 0], [4, 2]) == [1]
+
+
+def _step(req_id, context, accepted, num_draft, temperature=0.0):
+    return RequestStep(req_id=req_id, accepted=np.asarray(accepted, np.int64),
+                       context=np.asarray(context, np.int64), num_prompt_tokens=2,
+                       num_draft=num_draft, verified_tokens=np.zeros(num_draft + 1, np.int64),
+                       topk_ids=None, topk_logprobs=None, temperature=temperature)
+
+
+def tree_controller(max_draft=8, **options):
+    c = make_controller("goodput", options, max_draft)
+    c.shapes_trees = True
+    return c
+
+
+def test_controller_reads_node_outcomes_of_the_tree_it_sent():
+    c = tree_controller()
+    tokens = [5, 6, 7, 8, 9, 7]
+    parents = [-1, -1, 0, 0, -1, 1]
+    conf = np.array([0.9, 0.5, 0.8, 0.6, 0.3, 0.7], np.float32)
+    ctx = StepContext([_step("a", [1, 2], [2], 0)], max_draft=8)
+    obs = c.observe(ctx)
+    out = c.shape(ctx, Drafts([tokens], None, [conf], [parents]), obs)
+    sent = c._sent["a"]
+    assert [tokens[v] for v in sent.layout] == out.tokens[0]
+    # Next step: the first three sent nodes were verified; the target
+    # emitted node 0's token, then one no node carries.
+    layout = [int(v) for v in sent.layout]
+    k = min(3, len(layout))
+    emitted = [5, 42]
+    before = c.calibrator.gn.sum()
+    ctx2 = StepContext([_step("a", [1, 2, 5, 42], emitted, k)], max_draft=8)
+    c.observe(ctx2)
+    # Observed: root children 0, 1, 4 and node 0's children 2, 3 (5 nodes).
+    assert c.tree_nodes_observed == 5
+    assert c.calibrator.gn.sum() == pytest.approx(before + 5)
+    # Tree rows teach the per-position chain estimates nothing.
+    assert c.estimator.global_rate == make_controller("goodput", {}, 8).estimator.global_rate
+
+
+# ------------------------------------------------------- the choice of shape
+
+def _shapes(cost, steps=300, **world):
+    c = tree_controller(16)
+    w = TreeWorld(2, cost, nodes=16, **world)
+    sent = run(c, w, steps)
+    late = sent[steps // 2:]
+    trees = sum(any(p is not None and list(p) != list(range(-1, len(p) - 1))
+                    for p in (d.parents or [])) for d in late)
+    nodes = np.mean([sum(map(len, d.tokens)) for d in late])
+    return c, trees / len(late), nodes
+
+
+def test_trees_where_verified_tokens_are_nearly_free():
+    c, tree_share, nodes = _shapes(Cost(0.02, 0.00002, 0.0005))
+    assert tree_share > 0.9 and nodes > 28, (tree_share, nodes)   # of 2 x 16
+
+
+def test_chains_where_the_tree_step_costs_much():
+    c, tree_share, nodes = _shapes(Cost(0.02, 0.00002, 0.05))
+    assert tree_share < 0.1, tree_share
+    assert c.stats()["cost_model"]["tree_step_s"] == pytest.approx(0.05, rel=0.3)
+
+
+def test_chains_where_each_token_costs_much():
+    c, tree_share, nodes = _shapes(Cost(0.07, 0.03, 0.0))
+    assert tree_share < 0.1 and nodes < 8, (tree_share, nodes)
+
+
+def test_a_cpu_like_curve_keeps_what_pays():
+    """This CPU's curve (a 70 ms step, 3.8 ms per verified token, a small
+    tree-step cost): fewer nodes than a free curve keeps, more than none."""
+    _, _, free = _shapes(Cost(0.02, 0.00002, 0.0005))
+    _, _, cpu = _shapes(Cost(0.07, 0.0038, 0.003))
+    assert 2 < cpu < 0.8 * free, (cpu, free)
+
+
+def test_calibration_learns_a_mis_scaled_confidence():
+    """Confidences twice the true conditional acceptance: the calibrated
+    conditional of a root child comes down to its true rate."""
+    c = tree_controller(16)
+    w = TreeWorld(2, Cost(0.02, 0.00002, 0.0005), nodes=16, confidence_scale=2.0,
+                  root_children=(0.4, 0.1, 0.05), children=(0.45, 0.05))
+    run(c, w, 400)
+    rows = c.slots.slots(["r0"])
+    got = c.calibrator.calibrate_at(rows, np.array([0]), np.array([0.8]))[0]
+    assert abs(got - 0.4) < 0.1, got
+
+
+def test_mixed_batch_of_tree_and_chain_rows():
+    """Chain rows (a proposer's refused requests) keep prefixes and learn as
+    chains; tree rows are shaped node by node, in one allocation."""
+    c = tree_controller(16)
+    w = TreeWorld(3, Cost(0.02, 0.00002, 0.0005), nodes=16, tree_rows=2, chain_truth=0.7)
+    sent = run(c, w, 200)
+    for d in sent[1:]:
+        assert d.parents[2] is None                      # the chain row stays a chain
+        assert d.tokens[2] == [TOKEN_BASE + i for i in range(len(d.tokens[2]))]
+        for i in range(2):   # trees (or paths) laid out parents first
+            assert all(-1 <= p < k for k, p in enumerate(d.parents[i]))
+    # The chain row learned its positions; its rate is near its truth.
+    row = c.slots.slots(["r2"])
+    assert abs(float(c.estimator.probs(row)[0, 0]) - 0.7) < 0.15
+    assert np.mean([len(d.tokens[2]) for d in sent[100:]]) > 3
+    assert c.stats()["trees"]["rows"] > 0
+
+
+def test_trees_of_a_proposer_that_does_not_let_the_policy_shape_them_are_cut_as_before():
+    """shapes_trees false (e.g. STAND): decisions are GoodputController's."""
+    cost = Cost(0.02, 0.0004, 0.0)
+    a, b = make_controller("goodput", {}, 16), GoodputController(16, _goodput_options())
+    assert isinstance(a, TreeGoodputController)
+    wa, wb = TreeWorld(2, cost, nodes=16, seed=3), TreeWorld(2, cost, nodes=16, seed=3)
+    sa, sb = run(a, wa, 100), run(b, wb, 100)
+    assert [d.tokens for d in sa] == [d.tokens for d in sb]
+
+
+def _goodput_options():
+    from vllm_plugins.proposers.draft_length import policy_options
+
+    return policy_options("goodput", {})
+
+
+def test_a_scheduler_cut_and_a_stale_record_are_read_safely():
+    """The scheduler verified a prefix of the sent nodes; a record whose
+    request's context moved on by other means teaches nothing."""
+    c = tree_controller()
+    parents, truth = make_tree(6, (0.6, 0.3), (0.8, 0.1))
+    tokens = [TOKEN_BASE + i for i in range(6)]
+    ctx = StepContext([_step("a", [1, 2], [2], 0)], max_draft=8)
+    out = c.shape(ctx, Drafts([tokens], None, [truth.astype(np.float32)], [parents]),
+                  c.observe(ctx))
+    first = out.tokens[0][0]
+    # Only the first sent node verified, and accepted; the bonus is OTHER.
+    ctx2 = StepContext([_step("a", [1, 2, first, OTHER], [first, OTHER], 1)], max_draft=8)
+    seen = c.tree_nodes_observed
+    c.shape(ctx2, Drafts([tokens], None, [truth.astype(np.float32)], [parents]),
+            c.observe(ctx2))
+    assert c.tree_nodes_observed > seen
+    # A context that does not continue the drafted one: nothing learned.
+    seen = c.tree_nodes_observed
+    ctx3 = StepContext([_step("a", [9, 9, 9, 9, 9, 9, 9, 9], [first], 2)], max_draft=8)
+    c.observe(ctx3)
+    assert c.tree_nodes_observed == seen
+
+
+# ------------------------------------------------------------------ wiring
+
+def test_token_recycling_tree_defaults_to_the_tree_policy_and_refuses_chain_readers():
+    from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
+
+    p = TokenRecyclingProposer(options={"draft_shape": "tree"}, vocab_size=64)
+    assert isinstance(p.controller, TreeGoodputController) and p.controller.shapes_trees
+    for policy in ("acceptance", "confidence"):
+        with pytest.raises(ValueError, match="'draft_length'"):
+            TokenRecyclingProposer(options={"draft_shape": "tree", "draft_length": policy},
+                                   vocab_size=64)
+    TokenRecyclingProposer(options={"draft_shape": "tree", "draft_length": "fixed"},
+                           vocab_size=64)
+    TokenRecyclingProposer(options={"draft_length": "acceptance"}, vocab_size=64)
+
+
+def test_token_recycling_learns_the_tree_it_sent():
+    """Under the tree policy the proposer records the nodes sent (a subset
+    of its tree, re-laid), so the next step's verified rows are read
+    against them."""
+    from tests.test_token_recycling_tree import VOCAB, random_tables
+    from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
+
+    p = TokenRecyclingProposer(options={"draft_shape": "tree"}, vocab_size=VOCAB)
+    rng = np.random.default_rng(0)
+    src = random_tables(rng, k=8, order=1, contexts=0, fill=1.0)
+    p.tables.ids[...] = src.ids
+    p.tables.logp[...] = src.logp
+    ctx = StepContext([_step("a", [1, 2, 3, 4, 5], [5], 0)], max_draft=16)
+    d = p.step(ctx)
+    assert p.num_errors == 0 and d.parents[0] is not None and d.tokens[0]
+    tokens, parents = p._drafted_trees["a"]
+    assert tokens.tolist() == d.tokens[0] and parents.tolist() == d.parents[0]
+    assert p.controller.stats()["trees"]["rows"] == 1
+    n = len(d.tokens[0])
+    ids = np.stack([rng.choice(VOCAB, 8, replace=False) for _ in range(n + 1)]).astype(np.int32)
+    lps = np.log(np.full((n + 1, 8), 0.1, np.float32))
+    step = RequestStep("a", np.asarray([d.tokens[0][0], 9]),
+                       np.asarray([1, 2, 3, 4, 5, d.tokens[0][0], 9]), 2, n,
+                       np.asarray([5] + d.tokens[0]), ids, lps, 0.0)
+    p.learn(StepContext([step], max_draft=16))
+    assert n >= 2 and parents.tolist() != list(range(-1, n - 1))   # a tree went out
+    last_row = {tok: i + 1 for i, tok in enumerate(d.tokens[0])}   # learned node by node
+    for tok, row in last_row.items():
+        assert p.tables.ids[tok].tolist() == ids[row].tolist()
