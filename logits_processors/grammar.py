@@ -64,8 +64,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 
 from .asap import AsapCursor, AsapStore, max_nodes_from_env
 from .grammar_engine import (  # noqa: F401  (the processor's public names)
-    FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests,
-    verifies_per_position)
+    FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests)
 from .grammar_state import FAILURE_TEXT, GrammarRequest, apply_masks
 from .grammar_verification import DraftedRows
 from vllm_plugins.grammar.runtime import GrammarRuntime, runtime_for

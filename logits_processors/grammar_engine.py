@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from vllm_plugins.grammar.spec import GRAMMAR_KEY, GrammarSpecError, grammar_request
+from vllm_plugins.grammar.spec import GRAMMAR_KEY, GrammarSpecError
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -40,15 +40,6 @@ def engine_drops_processors(vllm_config: "VllmConfig") -> str | None:
         "runs no custom logits processors; use SamplingParams.structured_outputs "
         "or an engine without speculative decoding"
     )
-
-
-def verifies_per_position(sampling_params: "SamplingParams") -> bool:
-    """Whether this processor can mask a request's drafted rows exactly as
-    plain decoding masks each position. Not for ``"aligned"`` requests:
-    ASAp's trie learns from the rows of the prefixes a request actually
-    samples, one per step; such a request is served without drafts."""
-    raw = grammar_request(getattr(sampling_params, "extra_args", None))
-    return not (isinstance(raw, dict) and raw.get("aligned"))
 
 
 def refuse_grammar_requests(sampling_params: "SamplingParams", reason: str) -> None:

@@ -25,7 +25,6 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BatchUpdate  # noqa: E402
 
 import vllm_plugins  # noqa: E402
-from vllm_plugins.bridge import verify_processors  # noqa: E402
 from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor  # noqa: E402
 
 REGEX = r"(ab|cd)+ [0-9]{2,4}!"
@@ -137,14 +136,6 @@ def test_grammar_requests_admitted_only_with_our_proposer(spec_config, vllm_conf
     theirs = copy.copy(vllm_config)
     object.__setattr__(theirs, "speculative_config", SimpleNamespace(method="ngram"))
     assert "no custom logits processors" in engine_drops_processors(theirs)
-
-
-def test_aligned_requests_are_served_without_drafts():
-    aligned = params(temperature=1.0, extra_args={"grammar": {"regex": "a+", "aligned": True}})
-    plain = params(extra_args={"grammar": {"regex": "a+"}})
-    out = verify_processors.drop_unverifiable(
-        [aligned, plain, params(), None], [[1, 2], [3], [4, 5], [6]])
-    assert out == [[], [3], [4, 5], [6]]
 
 
 # ------------------------------------------------------------ each verified row

@@ -136,30 +136,6 @@ def test_greedy_identical_per_processor(method, plain, request, tok):
         assert p["forced_tokens"] > 0 and p["grammar_requests"] >= 2, p
 
 
-def test_aligned_requests_served_without_drafts_sample_as_plain(plain, spec):
-    """ASAp learns across samples of one prompt: seeded samples, in order,
-    are the reference's sample for sample."""
-    from vllm import SamplingParams
-
-    def run(llm):
-        before = stats(llm) if llm is spec else {}
-        outs = []
-        for seed in range(3):
-            sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=12,
-                                extra_args={"grammar": {"regex": COLOURS,
-                                                        "aligned": True}})
-            outs.append(list(llm.generate([RGB], sp, use_tqdm=False)[0]
-                             .outputs[0].token_ids))
-        drafted = (stats(llm).get("drafted", 0) - before.get("drafted", 0)
-                   if llm is spec else 0)
-        return outs, drafted
-
-    ref, _ = run(plain)
-    got, drafted = run(spec)
-    assert got == ref
-    assert drafted == 0
-
-
 def first_tokens(llm, prompt_ids, seed0, **kw):
     """First TOKENS tokens of SAMPLES seeded temperature-1 answers."""
     from vllm import SamplingParams

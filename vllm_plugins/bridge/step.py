@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from vllm_plugins.bridge import ranks, verify_processors
+from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import RunnerState, TopkStash
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
@@ -235,8 +235,6 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     drafts: Drafts = proposer.step(ctx)
     state.propose_seconds = time.perf_counter() - start
     tokens, probs = record_trees(runner, state, ctx, drafts)
-    tokens = verify_processors.drop_unverifiable(
-        [r.sampling_params for r in ctx.requests], tokens)
     set_draft_probs(runner, Drafts(tokens, probs), tokens)
     if state.digest is not None:
         state.digest.add(ctx, tokens, drafts.probs)

@@ -20,10 +20,9 @@ row what plain decoding applies at that position, in plain decoding's order:
   rejection sampler's temperature and top-k/top-p follow as in plain
   decoding (``RejectionSampler.apply_logits_processors``).
 
-Engines with vLLM's own drafters, or none, keep vLLM's behaviour. A request
-whose processors cannot be applied per position (our grammar processor's
-``"aligned"`` sampling: ASAp learns from the rows a request actually samples)
-is served without drafts (``drop_unverifiable``). Other custom logits
+Engines with vLLM's own drafters, or none, keep vLLM's behaviour. Our
+grammar processor's ``"aligned"`` (ASAp) requests are reweighted per
+position by the processor itself, as their masks are. Other custom logits
 processors cannot be applied per position: given explicitly they are
 refused at start-up, as vLLM refuses them; loaded from an entry point they
 stay off, as in vLLM.
@@ -202,13 +201,3 @@ def apply_per_position(processor, logits: torch.Tensor, num_draft: list[int],
             scaled = processor.apply(batch.div_(temp))
             masked = torch.isneginf(scaled[index])
             logits[rows] = logits[rows].masked_fill(masked, float("-inf"))
-
-
-# ------------------------------------------------------------- drafting
-def drop_unverifiable(sampling_params: list, tokens: list[list[int]]) -> list[list[int]]:
-    """Drafts of requests whose processors cannot be applied per position
-    removed (such requests are served as plain decoding serves them)."""
-    from vllm_plugins.logits_processors.grammar import verifies_per_position
-
-    return [[] if t and p is not None and not verifies_per_position(p) else t
-            for t, p in zip(tokens, sampling_params)]
