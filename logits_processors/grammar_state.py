@@ -12,6 +12,7 @@ import torch
 from vllm_plugins.grammar.runtime import GrammarRuntime
 
 from .asap import AsapCursor
+from .grammar_topk import MASKED_TOPK
 
 _PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
 #: What a request whose grammar failed says at the end of its output.
@@ -100,7 +101,9 @@ def apply_masks(rt: GrammarRuntime, logits: torch.Tensor, bitmask: torch.Tensor 
                 mask_rows: list[int], mask_eos: list[int],
                 force_rows: list[int], force_toks: list[int]) -> None:
     """Masked rows take their filled bitmask rows, with each request's own
-    EOS allowed wherever the tokenizer's is; forced rows take one token."""
+    EOS allowed wherever the tokenizer's is; forced rows take one token.
+    The rows' top-k is then recorded for a drafter that learns from it
+    (``grammar_topk``; nothing when none asked)."""
     if bitmask is not None and mask_rows:
         for row, eos in zip(mask_rows, mask_eos):
             if eos != rt.eos_token:
@@ -108,3 +111,4 @@ def apply_masks(rt: GrammarRuntime, logits: torch.Tensor, bitmask: torch.Tensor 
         rt.apply(logits, mask_rows, mask_rows)
     if force_rows:
         GrammarRuntime.force_token(logits, force_rows, force_toks)
+    MASKED_TOPK.record(logits, mask_rows + force_rows)

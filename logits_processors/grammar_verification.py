@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .grammar_state import GrammarRequest, apply_masks
+from .grammar_topk import MASKED_TOPK
 
 
 class DraftedRows:
@@ -26,9 +27,11 @@ class DraftedRows:
     def begin_verification(self, drafts: list[list[int]]) -> None:
         """This step's drafts, by batch index, until ``end_verification``."""
         self._verifying = drafts
+        MASKED_TOPK.bonus_rows(drafts)
 
     def end_verification(self) -> None:
         self._verifying = None
+        MASKED_TOPK.plain_rows()
 
     def _apply_bonus(self, logits: torch.Tensor) -> torch.Tensor:
         drafts = self._verifying
@@ -65,6 +68,7 @@ class DraftedRows:
                 plan.append((req, drafts[index], list(range(start, start + n))))
             start += n
         if plan:
+            MASKED_TOPK.target_rows(num_draft, drafts)
             self._mask_positions(logits, plan)
         return logits
 

@@ -153,6 +153,10 @@ class GrammarProposer(PluginProposer):
             # A self-drafting inner (swift, del) needs the bridge's target
             # layers and KV lookahead: the bridge reads these from the outer.
             self.SELF_DRAFT = getattr(self.inner, "SELF_DRAFT", False)
+            if self.inner.TOPK:
+                from vllm_plugins.logits_processors.grammar_topk import MASKED_TOPK
+
+                MASKED_TOPK.want(self.inner.TOPK)
         self._so_config = getattr(vllm_config, "structured_outputs_config", None)
         self._model_config = getattr(vllm_config, "model_config", None)
         self._tokenizer = tokenizer
@@ -169,7 +173,8 @@ class GrammarProposer(PluginProposer):
                            "proposer cannot see; the inner proposer drafts alone",
                            so.reasoning_parser)
         self.counts = {"grammar_requests": 0, "grammar_unusable": 0, "grammar_lost": 0,
-                       "forced_tokens": 0, "inner_tokens": 0, "inner_tokens_cut": 0}
+                       "forced_tokens": 0, "inner_tokens": 0, "inner_tokens_cut": 0,
+                       "masked_topk_rows": 0}
         self._draft_seconds: deque[float] = deque(maxlen=_TIMING_WINDOW)
 
     # ------------------------------------------------------------ vLLM route
@@ -197,6 +202,8 @@ class GrammarProposer(PluginProposer):
 
     # ------------------------------------------------------------ drafting
     def draft(self, ctx: StepContext) -> Drafts:
+        if self.inner is not None and self.inner.TOPK:
+            self._masked_topk(ctx)
         inner = self.inner.step(ctx) if self.inner is not None else None
         n = len(ctx.requests)
         tokens: list[list[int]] = [list(t) for t in inner.tokens] if inner else [[] for _ in range(n)]
@@ -237,6 +244,24 @@ class GrammarProposer(PluginProposer):
                 conf[i] = self._confidence(toks, forced, tokens[i], conf[i])
             tokens[i] = toks
         return Drafts(tokens, probs, conf)
+
+    def _masked_topk(self, ctx: StepContext) -> None:
+        """Our grammar processor's requests learn the target's top-k after
+        the processor's mask, as vLLM's structured outputs do after vLLM's
+        (``logits_processors.grammar_topk`` says why); a request whose rows
+        were not all recorded keeps the raw top-k."""
+        from vllm_plugins.logits_processors.grammar_topk import MASKED_TOPK
+
+        masked = MASKED_TOPK.take()
+        if not masked.rows:
+            return
+        for i, r in enumerate(ctx.requests):
+            if r.topk_ids is None or processor_grammar(r.sampling_params) is None:
+                continue
+            got = masked.for_request(i, r.verified_tokens, r.topk_ids.shape[1])
+            if got is not None:
+                r.topk_ids, r.topk_logprobs = got
+                self.counts["masked_topk_rows"] += len(got[0])
 
     def _state(self, r: RequestStep) -> RequestGrammar | None:
         """The request's matcher, advanced to its current output; None when it
