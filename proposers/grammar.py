@@ -231,7 +231,8 @@ class GrammarProposer(PluginProposer):
             toks, forced = state.draft(
                 self.draft_budget(ctx, r.req_id), tokens[i],
                 recent=[int(t) for t in r.context[-8:]],
-                continuation=self._continuation(r))
+                continuation=self._continuation(r),
+                eos=getattr(r.sampling_params, "eos_token_id", None))
             if timed:
                 self._draft_seconds.append(time.perf_counter() - start)
             kept_inner = len(toks) - sum(forced)

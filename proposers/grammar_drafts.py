@@ -86,19 +86,29 @@ class RequestGrammar:
         return tokens[:self.matcher.validate_tokens(tokens)]
 
     def draft(self, budget: int, inner: Sequence[int] = (), recent: Sequence[int] = (),
-              continuation: Continuation | None = None) -> tuple[list[int], list[bool]]:
+              continuation: Continuation | None = None,
+              eos: int | None = None) -> tuple[list[int], list[bool]]:
         """Forced tokens, then the inner draft, alternating, checked by the
         grammar. Returns the tokens and, per token, whether it was forced.
 
         ``inner`` is the inner proposer's draft from the current position;
         ``continuation`` gives more inner tokens after a draft prefix that the
-        inner draft did not start with (None: no inner tokens there)."""
+        inner draft did not start with (None: no inner tokens there). Where
+        the grammar is complete and nothing may follow, the draft ends with
+        ``eos`` (the request's EOS, which both vLLM's structured output and
+        our processor force there), so the step that verifies the closing
+        text also ends the request."""
         out: list[int] = []
         forced_flags: list[bool] = []
         pending: list[int] | None = [int(t) for t in inner]  # inner tokens aligned here
         consumed = 0
         try:
-            while len(out) < budget and not self.matcher.is_stopped():
+            while len(out) < budget:
+                if self.matcher.is_stopped():
+                    if eos is not None:
+                        out.append(int(eos))
+                        forced_flags.append(True)
+                    break
                 f = self.forced_tokens(budget - len(out), [*recent, *out])
                 if f:
                     if not self.matcher.consume_tokens(f):

@@ -381,3 +381,27 @@ def test_other_kinds(tok):
     assert _accepts(tok, grammar_for(P(grammar='start: "x" | "y"')), "y")
     assert _accepts(tok, grammar_for(P(json_object=True)), '{"k": [1]}')
     assert grammar_for(None) is None
+
+
+def test_complete_grammar_drafts_the_requests_eos(tok):
+    """Once the closing text is drafted and nothing may follow, the draft
+    ends with the request's EOS (forced there by vLLM's structured output
+    and by our processor alike); no EOS is drafted while the grammar can
+    go on, nor for a request without an EOS token."""
+    inner = FixedInner()
+    p = make(tok, inner)
+    params = so_params(json=SCHEMA)
+    params.update_from_generation_config({}, 2)  # what the engine does: EOS = 2
+    req = Req(tok, params)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    inner.next = [ids[-2:]]
+    assert run(p, req.step(ids[:-2])).tokens[0] == ids[-2:] + [2]
+    inner.next = [[]]
+    assert run(p, req.step(ids)).tokens[0] == [2]
+    # The grammar can still go on after '"Paris"': no EOS among the drafts.
+    inner.next = [ids[-2:-1]]
+    assert 2 not in run(p, req.step(ids[:-3])).tokens[0]
+    # No EOS known (ignore_eos or no tokenizer EOS): the draft stops as before.
+    q = Req(tok, so_params(json=SCHEMA), rid="r2")
+    inner.next = [ids[-2:]]
+    assert run(make(tok, inner), q.step(ids[:-2])).tokens[0] == ids[-2:]
