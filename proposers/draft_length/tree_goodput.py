@@ -160,7 +160,7 @@ class TreeGoodputController(GoodputController):
             if path is None:
                 continue
             observed, accepted = select.node_outcomes(sent.tokens, sent.parents, path,
-                                                      emitted)
+                                                      emitted, sent.depth)
             idx = np.nonzero(observed)[0]
             r_idx.append(np.full(len(idx), i, np.int64))
             j_idx.append(sent.depth[idx] - 1)
@@ -271,9 +271,9 @@ class TreeGoodputController(GoodputController):
         parts = []
         for i in idx:
             n = int(lengths[i])
-            parents = np.asarray(drafts.parents[i][:n], np.int64)
-            parts.append((np.asarray(drafts.tokens[i][:n], np.int64), parents,
-                          np.asarray(select.depths(parents), np.int64),
+            par = [int(p) for p in drafts.parents[i][:n]]
+            parts.append((np.asarray(drafts.tokens[i][:n], np.int64), np.asarray(par, np.int64),
+                          np.asarray(select.depths(par), np.int64),
                           np.asarray(drafts.confidence[i][:n], np.float64)))
         sizes = [len(p[0]) for p in parts]
         slot = np.repeat(rows[idx], sizes)

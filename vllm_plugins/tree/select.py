@@ -24,8 +24,8 @@ def path_probabilities(parents: Sequence[int], conditional: Sequence[float]
     """q[i]: the product of ``conditional`` over node i's path from the
     root (``conditional[i]``: P(node i accepted | its parent accepted))."""
     q: list[float] = []
-    for parent, c in zip(parents, conditional):
-        q.append(float(c) if parent == ROOT else q[parent] * float(c))
+    for parent, c in zip(_ints(parents), np.asarray(conditional, np.float64).tolist()):
+        q.append(c if parent == ROOT else q[parent] * c)
     return np.asarray(q, np.float64)
 
 
@@ -34,8 +34,8 @@ def cap_by_parent(parents: Sequence[int], q: Sequence[float]) -> np.ndarray:
     non-increasing down every path (a per-node correction of path
     probabilities may break that)."""
     out: list[float] = []
-    for parent, v in zip(parents, q):
-        out.append(float(v) if parent == ROOT else min(float(v), out[parent]))
+    for parent, v in zip(_ints(parents), np.asarray(q, np.float64).tolist()):
+        out.append(v if parent == ROOT else min(v, out[parent]))
     return np.asarray(out, np.float64)
 
 
@@ -50,7 +50,8 @@ def best_path(parents: Sequence[int], q: Sequence[float]) -> list[int]:
     """The path that descends from the root through the child of highest q
     at every node (ties: the lower index), down to a leaf."""
     best: dict[int, int] = {}
-    for i, parent in enumerate(parents):
+    q = np.asarray(q, np.float64).tolist()
+    for i, parent in enumerate(_ints(parents)):
         b = best.get(parent)
         if b is None or q[i] > q[b]:
             best[parent] = i
@@ -121,7 +122,8 @@ def accepted_path(tokens: Sequence[int], parents: Sequence[int], verified: Seque
 
 
 def node_outcomes(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int],
-                  emitted: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+                  emitted: Sequence[int], node_depths: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """(observed, accepted) per node, given the accepted ``path``.
 
     A node whose parent is on the accepted path (or is the root) is
@@ -129,7 +131,8 @@ def node_outcomes(tokens: Sequence[int], parents: Sequence[int], path: Sequence[
     node would be accepted exactly when its token is that one (under
     greedy decoding its outcome; for a deterministic draft under sampling,
     an exact draw of it), whether or not the node itself was verified.
-    Deeper nodes are censored."""
+    Deeper nodes are censored. ``node_depths``: ``depths(parents)`` if
+    known."""
     n = len(parents)
     on_path = np.zeros(n + 1, dtype=bool)   # index parent + 1; 0 = the root
     on_path[0] = True
@@ -137,10 +140,15 @@ def node_outcomes(tokens: Sequence[int], parents: Sequence[int], path: Sequence[
         on_path[int(v) + 1] = True
     par = np.asarray(parents, np.int64)
     observed = on_path[par + 1]
-    d = np.asarray(depths(parents), np.int64)
+    d = np.asarray(depths(parents) if node_depths is None else node_depths, np.int64)
     emitted = np.asarray(emitted, np.int64)
     accepted = np.zeros(n, dtype=bool)
     idx = np.nonzero(observed)[0]
     if len(idx):
         accepted[idx] = np.asarray(tokens, np.int64)[idx] == emitted[d[idx] - 1]
     return observed, accepted
+
+
+def _ints(values: Sequence[int]) -> list[int]:
+    """Python ints (numpy scalars make the node loops several times slower)."""
+    return values.tolist() if isinstance(values, np.ndarray) else [int(v) for v in values]
