@@ -159,6 +159,29 @@ def test_outcomes_from_emitted_tokens_on_a_hand_made_tree():
     assert select.accepted_path([4, 4], [-1, -1], [1, 0], [4, 2]) == [1]
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_accepted_path_is_the_path_greedy_acceptance_took(seed):
+    """Read back from the emitted tokens, the path is the one
+    vllm_plugins.tree.acceptance accepted, repeated sibling tokens
+    included; every observed node's outcome is whether its token is the
+    target's argmax at its parent."""
+    import torch
+
+    from vllm_plugins.tree.acceptance import greedy_accept
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 10))
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    tokens = rng.integers(0, 3, n).tolist()          # a small alphabet: repeats
+    argmax = rng.integers(0, 3, n + 1)               # row 0: the root
+    got = greedy_accept([parents], [tokens], torch.as_tensor(argmax))[0]
+    path = select.accepted_path(tokens, parents, list(range(n)), got.tokens)
+    assert path == got.nodes
+    observed, accepted = select.node_outcomes(tokens, parents, path, got.tokens)
+    for v in np.nonzero(observed)[0]:
+        assert accepted[v] == (tokens[v] == argmax[parents[v] + 1])
+
+
 def _step(req_id, context, accepted, num_draft, temperature=0.0):
     return RequestStep(req_id=req_id, accepted=np.asarray(accepted, np.int64),
                        context=np.asarray(context, np.int64), num_prompt_tokens=2,

@@ -100,25 +100,32 @@ def accepted_path(tokens: Sequence[int], parents: Sequence[int], verified: Seque
 
     ``verified``: the nodes that were verified, in the order they were
     laid out; ``emitted``: the accepted path's tokens plus one. At each
-    depth the target's token is the one it emitted after the path so far;
-    the accepted node is the first verified child of the path's end with
-    that token (greedy and deterministic-draft acceptance: the first
-    sibling in order wins a tie). None when the emitted tokens are not such
-    a path (they came from another verification)."""
-    child: dict[tuple[int, int], int] = {}
+    depth the accepted node carries the token the target emitted after the
+    path so far, and the path ends where no verified child carries the
+    next one. Where sibling tokens repeat, the first path in layout order
+    that fits (``vllm_plugins.tree.acceptance``'s tie rule). None when the
+    emitted tokens are no such path (they came from another verification).
+    """
+    kids: dict[int, list[int]] = {}
     for v in verified:
-        child.setdefault((int(parents[v]), int(tokens[v])), int(v))
-    path: list[int] = []
-    node = ROOT
-    for token in emitted[:-1]:
-        nxt = child.get((node, int(token)))
-        if nxt is None:
-            return None
-        path.append(nxt)
-        node = nxt
-    if len(emitted) and (node, int(emitted[-1])) in child:
-        return None   # that child would have been accepted too
-    return path
+        kids.setdefault(int(parents[v]), []).append(int(v))
+    emitted = [int(t) for t in emitted]
+    if not emitted:
+        return None
+    m = len(emitted) - 1
+
+    def walk(node: int, depth: int) -> list[int] | None:
+        if depth == m:   # the last emitted token must match no child
+            fits = all(int(tokens[c]) != emitted[m] for c in kids.get(node, ()))
+            return [] if fits else None
+        for c in kids.get(node, ()):
+            if int(tokens[c]) == emitted[depth]:
+                rest = walk(c, depth + 1)
+                if rest is not None:
+                    return [c, *rest]
+        return None
+
+    return walk(ROOT, 0)
 
 
 def node_outcomes(tokens: Sequence[int], parents: Sequence[int], path: Sequence[int],
