@@ -371,3 +371,81 @@ def test_token_recycling_learns_the_tree_it_sent():
     last_row = {tok: i + 1 for i, tok in enumerate(d.tokens[0])}   # learned node by node
     for tok, row in last_row.items():
         assert p.tables.ids[tok].tolist() == ids[row].tolist()
+
+
+def test_token_recycling_trees_under_goodput_decode_as_the_target_does():
+    """Token Recycling drafting trees, the policy shaping them, the tree
+    path's greedy acceptance (vllm_plugins.tree.acceptance) and a
+    synthetic target whose next token depends on the last two: the output
+    is the target's own greedy sequence, with a chain request (sampling
+    the tree path refuses) in the same batch."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
+    from vllm_plugins.tree.acceptance import greedy_accept
+    from vllm_plugins.tree.draft import path_to
+
+    vocab, k = 40, 8
+    rng = np.random.default_rng(0)
+    table = rng.integers(0, vocab, (vocab, vocab))
+    table[rng.random((vocab, vocab)) < 0.5] = 0      # a few hot successors
+    others = rng.integers(0, vocab, (vocab, k - 1))
+
+    def target(seq):
+        top = int(table[seq[-2], seq[-1]])
+        ids = np.concatenate([[top], [t for t in others[seq[-1]] if t != top]])[:k]
+        ids = np.pad(ids, (0, k - len(ids)), constant_values=ids[-1])
+        return ids.astype(np.int32), np.log(np.linspace(0.5, 0.01, k)).astype(np.float32)
+
+    plain = SimpleNamespace(structured_outputs=None, logprobs=None, prompt_logprobs=None,
+                            presence_penalty=0.0, frequency_penalty=0.0,
+                            repetition_penalty=1.0, bad_words=[], min_tokens=0)
+    refused = SimpleNamespace(**{**vars(plain), "logprobs": 1})
+    params = [plain, refused]
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8]]
+    want = []
+    for prompt in prompts:
+        seq = list(prompt)
+        while len(seq) < len(prompt) + 16 * 41:
+            seq.append(int(target(seq)[0][0]))
+        want.append(seq[len(prompt):])
+
+    p = TokenRecyclingProposer(options={"draft_shape": "tree"}, vocab_size=vocab)
+    p.max_draft = 16
+    p.controller = make_controller("goodput", {}, 16)
+    p.controller.can_rest, p.controller.shapes_trees = True, True
+    contexts = [list(pr) + [int(target(pr)[0][0])] for pr in prompts]
+    steps = [RequestStep(f"r{i}", np.asarray(c[-1:]), np.asarray(c), len(pr), 0,
+                         np.asarray(c[-2:-1]), *[np.stack([a]) for a in target(c[:-1])],
+                         0.0, params[i]) for i, (c, pr) in enumerate(zip(contexts, prompts))]
+    seconds = None
+    for _ in range(40):
+        ctx = StepContext(steps, max_draft=16, last_step_seconds=seconds,
+                          last_step_tokens=sum(len(s.verified_tokens) for s in steps))
+        d = p.step(ctx)
+        assert p.num_errors == 0
+        steps, tree = [], False
+        for i, (c, pr) in enumerate(zip(contexts, prompts)):
+            toks = d.tokens[i]
+            par = d.parents[i] if d.parents is not None and d.parents[i] is not None \
+                else list(range(-1, len(toks) - 1))
+            if params[i] is refused:
+                assert par == list(range(-1, len(toks) - 1))
+            tree |= par != list(range(-1, len(toks) - 1))
+            rows = [target(c)] + [target(c + [toks[u] for u in path_to(par, v)])
+                                  for v in range(len(toks))]
+            got = greedy_accept([par], [toks], torch.as_tensor([r[0][0] for r in rows]))[0]
+            contexts[i] = c + got.tokens
+            steps.append(RequestStep(f"r{i}", np.asarray(got.tokens), np.asarray(contexts[i]),
+                                     len(pr), len(toks), np.asarray([c[-1]] + toks),
+                                     np.stack([r[0] for r in rows]),
+                                     np.stack([r[1] for r in rows]), 0.0, params[i]))
+        n = sum(len(s.verified_tokens) for s in steps)
+        seconds = 0.07 + 0.0038 * n + (0.003 if tree else 0.0)
+    for c, pr, w in zip(contexts, prompts, want):
+        out = c[len(pr):]
+        assert out == w[:len(out)]
+    trees = p.controller.stats()["trees"]
+    assert trees["rows"] > 0 and trees["mean_nodes_kept"] > 0 and trees["nodes_observed"] > 0
