@@ -138,10 +138,10 @@ class TreeGoodputController(GoodputController):
     # ------------------------------------------------------------ observe
     def _learn_trees(self, ctx: StepContext, rows: np.ndarray):
         """Outcomes of every observed node of the trees sent last step."""
+        self._verified_a_tree = False
         if not self._sent:
             return None, None
         select = _select()
-        self._verified_a_tree = False
         reqs = ctx.requests
         trees = np.zeros(len(reqs), dtype=bool)
         r_idx, j_idx, conf, outcome, q_used, q_outcome = [], [], [], [], [], []
