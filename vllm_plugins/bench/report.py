@@ -261,3 +261,31 @@ def wide_markdown(rows: list[dict], methods: list[str] | None = None) -> str:
         tps = "" if base is None else f"{base['tok/s']:.1f}"
         lines.append(f"| {c} | {tps} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def mat_by_size_plot(rows: list[dict], sizes: dict[int, str], path: str, title: str,
+                     baseline: str | None = None) -> None:
+    """Overall MAT against draft size ({size: method}), one grey line per
+    category behind it, and ``baseline``'s overall MAT as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mat = {(r["category"], r["method"]): r["MAT"] for r in rows}
+    xs = sorted(sizes)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c in dict.fromkeys(r["category"] for r in rows):
+        if c != "overall":
+            ax.plot(xs, [mat[c, sizes[x]] for x in xs], color="0.8", lw=0.8)
+    ax.plot(xs, [mat["overall", sizes[x]] for x in xs], "o-", label="overall")
+    if baseline is not None:
+        ax.axhline(mat["overall", baseline], ls="--", label=f"{baseline}, overall")
+    ax.set_xticks(xs)
+    ax.set_xlabel("draft size (nodes per request)")
+    ax.set_ylabel("MAT (grey: one line per category)")
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
