@@ -15,6 +15,7 @@ warming up on the measured prompts would hand it their n-grams for free.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 
@@ -45,6 +46,10 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma list of: {', '.join(METHODS)}")
+    p.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
+                   help="add a method: a name and its speculative_config as JSON, "
+                        "e.g. stand-tree32='{\"method\": \"stand\", "
+                        "\"num_speculative_tokens\": 32, \"draft_shape\": \"tree\"}'")
     p.add_argument("--categories", default=",".join(DEFAULT_CATEGORIES))
     p.add_argument("--per-category", type=int, default=4)
     p.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -91,15 +96,22 @@ def main(argv=None) -> int:
 
     model = resolve_model(args.model)
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    configs = dict(METHODS)
+    for item in args.extra:
+        name, sep, spec = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--extra wants NAME=JSON, got {item!r}")
+        configs[name] = json.loads(spec)
+        methods.append(name)
+    unknown = [m for m in methods if m not in configs]
     if unknown:
-        raise SystemExit(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+        raise SystemExit(f"unknown method(s) {unknown}; known: {list(configs)}")
     if "none" not in methods:
         methods.insert(0, "none")
     cats = args.categories.split(",")
     questions = load_questions(cats, args.per_category)
     warm = load_questions([WARMUP_CATEGORY], args.warmup) if args.warmup else []
-    engines = {m: build_engine(model, METHODS[m], max_num_seqs=max(args.n, 1))
+    engines = {m: build_engine(model, configs[m], max_num_seqs=max(args.n, 1))
                for m in methods}
     tok = engines["none"].get_tokenizer()
 
