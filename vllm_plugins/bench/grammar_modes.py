@@ -18,7 +18,9 @@ Each schema runs on every mode in turn, rotating which goes first. Per mode:
 * valid: outputs that finished before ``--max-tokens`` and validate with
   ``jsonschema``;
 * same as native: outputs token-identical to the ``native`` mode's, of the
-  schemas both compiled;
+  schemas both compiled; same unspeculated: a speculating mode's outputs
+  token-identical to its own kind's without speculation (``native`` or
+  ``ours``), which greedy verification must keep exact;
 * tok/s: output tokens over wall-clock seconds of the mode's requests;
 * mask ms per token, p50 / p99: the mode's grammar replayed over its own
   outputs after the engines are gone: next-token bitmask plus applying it to
@@ -250,9 +252,9 @@ def run_modes(args) -> int:
           f"of {len(all_rows)}")
     print(f"\n{len(rows)} schemas, greedy, batch 1, max_tokens {args.max_tokens}, "
           f"any-whitespace JSON\n")
-    print("| mode | compiled | valid | finished | same as native | tokens | tok/s | MAT "
-          "| mask ms/token p50 | p99 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| mode | compiled | valid | finished | same as native | same unspeculated "
+          "| tokens | tok/s | MAT | mask ms/token p50 | p99 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     import torch
 
     if args.threads:  # the replay's masked_fill on a shared, loaded CPU: see --threads
@@ -271,9 +273,16 @@ def run_modes(args) -> int:
         mat = s["tokens"] / s["forwards"] if s["forwards"] else float("nan")
         both = [i for i in by_schema[m] if i in by_schema.get("native", {})]
         same = f"{sum(by_schema[m][i] == by_schema['native'][i] for i in both)}/{len(both)}"
+        plain = MODES[m][0]
+        if MODES[m][1] and plain in by_schema:
+            pair = [i for i in by_schema[m] if i in by_schema[plain]]
+            unspec = f"{sum(by_schema[m][i] == by_schema[plain][i] for i in pair)}/{len(pair)}"
+        else:
+            unspec = "-"
         table[m] = {**s, "tok_s": tps, "mat": mat, "mask_ms_p50": p50, "mask_ms_p99": p99,
-                    "same_as_native": same}
+                    "same_as_native": same, "same_unspeculated": unspec}
         print(f"| {m} | {s['compiled']}/{s['run']} | {s['valid']} | {s['finished']} | {same} | "
+              f"{unspec} | "
               f"{s['tokens']} | {tps:.1f} | {mat:.2f} | {p50:.3f} | {p99:.3f} |")
     if args.out:
         from pathlib import Path
