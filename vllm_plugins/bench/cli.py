@@ -164,7 +164,7 @@ def main(argv=None) -> int:
                                            engine_stats, resolve_model, run_batch)
     from vllm_plugins.bench.report import (Tally, controller_delta,
                                            controller_markdown, markdown, ratio_ci,
-                                           speedup_plot, title, write)
+                                           speedup_plot, title, tree_markdown, write)
 
     model = resolve_model(args.model)
     methods, configs = _resolve_methods(args)
@@ -233,6 +233,7 @@ def main(argv=None) -> int:
         _write_summary(args, model, all_rows, summary, controllers, loads)
     elif controllers:
         print(controller_markdown(controllers))
+        print(tree_markdown(controllers))
     return 0
 
 
@@ -262,7 +263,7 @@ def _write_summary(args, model, rows, summary, controllers, loads) -> None:
     from pathlib import Path
 
     from vllm_plugins.bench.report import (controller_markdown, speedup_plot,
-                                           title)
+                                           title, tree_markdown)
 
     unit = "units" if args.queue > 1 else "batches"
     lines = [f"| batch | method | MAT | speedup | 95% interval | {unit} |",
@@ -276,6 +277,9 @@ def _write_summary(args, model, rows, summary, controllers, loads) -> None:
                      f"{s['batches']} |")
     table = "\n".join(lines)
     ctl = controller_markdown(controllers) if controllers else ""
+    trees = tree_markdown(controllers) if controllers else ""
+    if trees:
+        ctl += "\n\n" + trees
     load = "\n".join(f"batch {k}: start {v[0]}, end {v[-1]}" for k, v in loads.items())
     heading = title(model, f"batch sizes={args.batch_sizes}{_queue_note(args)} "
                            f"T={args.temperature} max_tokens={args.max_tokens}")

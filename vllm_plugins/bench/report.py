@@ -182,13 +182,49 @@ def controller_delta(before: dict | None, after: dict) -> dict:
         out["zero_fraction"] = out.get("zero_choices", 0) / out["decisions"]
     if "cost_model" in after:
         out["cost_model"] = after["cost_model"]
+    if "trees" in after:
+        out["trees"] = _trees_delta(before.get("trees") or {}, after["trees"])
     return out
+
+
+def _trees_delta(before: dict, after: dict) -> dict:
+    """The tree policy's counts between two snapshots: request-steps that
+    offered a tree, nodes offered and kept per such row, and steps verified
+    in the tree shape or as re-laid chains (its stats give means over its
+    life; the totals behind them subtract)."""
+    def total(snap, key):
+        return snap.get(key, 0.0) * snap.get("rows", 0)
+
+    rows = after.get("rows", 0) - before.get("rows", 0)
+    out = {"rows": rows}
+    for key in ("mean_nodes_offered", "mean_nodes_kept"):
+        out[key] = (total(after, key) - total(before, key)) / rows if rows else 0.0
+    for key in ("tree_steps", "chain_steps"):
+        out[key] = after.get(key, 0) - before.get(key, 0)
+    return out
+
+
+def tree_markdown(rows: list[dict]) -> str:
+    """One line per (batch size, method) whose policy shaped trees: how many
+    nodes it was offered and kept per request-step, and in which shape its
+    steps were verified."""
+    lines = ["| batch | method | tree rows | nodes offered / row | nodes kept / row | "
+             "steps as tree / as chain |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        t = r.get("trees")
+        if t:
+            lines.append(f"| {r['batch']} | {r['method']} | {t['rows']} | "
+                         f"{t['mean_nodes_offered']:.1f} | {t['mean_nodes_kept']:.1f} | "
+                         f"{t['tree_steps']} / {t['chain_steps']} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def controller_markdown(rows: list[dict]) -> str:
     """One line per (batch size, method): how often k = 0, the k histogram,
     steps rested, and the learned step-time curve t = a + b*tokens + c*batch
-    (+ d on a step that verifies drafts, + e on a step of a new token count)."""
+    (+ d on a step that verifies drafts, + e on a step of a new token count,
+    + f on a step that verifies trees)."""
     lines = ["| batch | method | decisions | k = 0 | mean k | k histogram (0..K) | "
              "explore steps | rest steps / steps | learned t(step) |",
              "|---:|---|---:|---:|---:|---|---:|---:|---|"]
@@ -200,6 +236,8 @@ def controller_markdown(rows: list[dict]) -> str:
             if cm.get("verify_step_s") is not None:
                 curve += (f"; verifying +{1e3 * cm['verify_step_s']:.1f} ms, "
                           f"new size +{1e3 * cm.get('new_shape_s', 0.0):.1f} ms")
+            if cm.get("tree_step_s") is not None:
+                curve += f"; tree step +{1e3 * cm['tree_step_s']:.1f} ms"
         else:
             curve = "prior" if cm else ""
         zf = r.get("zero_fraction")
