@@ -1,11 +1,15 @@
 """ASAp through a vLLM engine: ``{"grammar": {..., "aligned": true}}`` in the engine path.
 
-Slow (one engine start with a tiny random Llama): ``pytest -m slow``. The
-processor comes from the package's entry point only, as in a server. Plain
+Slow: ``pytest -m slow``. With a tiny random Llama (one engine start), the
+processor from the package's entry point only, as in a server: plain
 requests are drawn in one batch; aligned ones in rounds, so that later rounds
 see the bounds learnt from earlier ones. The target (the model's distribution
 conditioned on the grammar) is enumerated with the same weights in
 transformers, as in tests/test_asap.py.
+
+Under speculation (SmolLM2, the shared plain engine and one drafting with
+token_recycling): aligned requests are drafted and sample as without
+speculation (chi-square), and the same test catches a biased control.
 """
 
 from __future__ import annotations
@@ -144,3 +148,85 @@ def test_bad_aligned_requests_fail_alone(llm, params, needle):
         llm.generate(["x"], bad, use_tqdm=False)
     (ok,) = llm.generate(["x"], _params(True), use_tqdm=False)
     assert ok.outputs[0].text in ("true", "false", "unknown")
+
+
+# ------------------------------------------------------- under speculation
+# After the prompt SmolLM2 prefers " green" (p 0.31) to " red" (0.035), but
+# finishes " green fish." far less often than " red blue green.": plain
+# masking answers green about 9 times in 10, the grammar-conditioned
+# distribution red about 9 times in 10. ASAp gets there by learning: its
+# first sample of a prompt is plain masking, the second avoids what the
+# first found to be a dead end. After " red" token_recycling drafts the
+# prompt's pattern, which the grammar takes: drafts are accepted.
+RGB = "red blue green red blue green red blue green red blue green red blue"
+FISH = r"( green fish| red blue green)\."
+REPLICAS = 96  # independent runs of ASAp's learning, two samples each
+#: A zero logit bias on a token of its own gives each replica its own trie
+#: (the bias is part of what keys a trie) and changes no distribution.
+FIRST_BIAS_TOKEN = 1000
+
+
+@pytest.fixture(scope="module")
+def recycling(model_path):
+    from tests.conftest import shutdown
+    from tests.test_processors_speculation_e2e import RECYCLING, engine
+
+    llm = engine(model_path, RECYCLING)
+    yield llm
+    shutdown(llm)
+
+
+def two_samples(llm, seed0, aligned=True, counts=None):
+    """Per replica, its first and second sample of FISH (token ids): the
+    first from a fresh trie, the second with what the first taught it.
+    ``counts``: a list that gets each round's (drafted, accepted)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.test_processors_speculation_e2e import stats
+
+    prompt = TokensPrompt(prompt_token_ids=llm.get_tokenizer()(RGB)["input_ids"])
+    rounds = []
+    for r in range(2):
+        before = stats(llm) if counts is not None else None
+        params = [SamplingParams(temperature=1.0, max_tokens=8, seed=seed0 + r * REPLICAS + k,
+                                 logit_bias={FIRST_BIAS_TOKEN + k: 0.0},
+                                 extra_args={"grammar": {"regex": FISH, "aligned": aligned}})
+                  for k in range(REPLICAS)]
+        outs = llm.generate([prompt] * REPLICAS, params, use_tqdm=False)
+        rounds.append([tuple(o.outputs[0].token_ids) for o in outs])
+        if counts is not None:
+            after = stats(llm)
+            counts.append(tuple(after.get(k, 0) - before.get(k, 0)
+                                for k in ("drafted", "accepted")))
+    return list(zip(*rounds))
+
+
+def test_aligned_requests_drafted_sample_as_without_speculation(base, recycling):
+    from tests.test_stand_e2e import homogeneity_pvalue
+
+    ref = two_samples(base, 0)
+    counts: list[tuple[int, int]] = []
+    got = two_samples(recycling, 10_000, counts=counts)
+    p = homogeneity_pvalue(ref, got)
+    tok = base.get_tokenizer()
+    print(f"\n(drafted, accepted) by round {counts}, p = {p:.3g}; reference "
+          f"{pair_counts(tok, ref)}; speculating {pair_counts(tok, got)}")
+    # Aligned requests were drafted in both rounds (the second one's rows
+    # carry the bounds the first taught), and drafts were accepted.
+    assert all(d > REPLICAS for d, _ in counts), counts
+    assert sum(a for _, a in counts) > REPLICAS // 2, counts
+    assert p > 0.01, p
+    # The control: the rows without ASAp's weights (plain masking, what the
+    # drafted rows got before the processor reweighted them) are told apart.
+    control = two_samples(recycling, 20_000, aligned=False)
+    pc = homogeneity_pvalue(ref, control)
+    print(f"control p = {pc:.3g}: {pair_counts(tok, control)}")
+    assert pc < 1e-4, pc
+
+
+def pair_counts(tok, pairs):
+    from collections import Counter
+
+    return dict(Counter(tuple(tok.decode(list(s)) for s in pair) for pair in pairs)
+                .most_common(6))
