@@ -28,7 +28,8 @@ Grammar-aligned sampling: ``{"grammar": {..., "aligned": true}}`` reweights the
 allowed tokens by ASAp's bounds on expected future grammaticality (:mod:`.asap`)
 so that repeated samples of one prompt converge to the model's distribution
 conditioned on the grammar; V1 runner only (on V2 such requests are masked
-plainly, with a warning).
+plainly, with a warning). Under speculation with our drafters each verified
+row is reweighted at its own position (``_mask_positions``).
 
 Termination: when the grammar is complete and admits nothing more (llguidance
 matcher stopped), the request's EOS token is forced; while the grammar could
