@@ -242,12 +242,21 @@ def smol_run(llm):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_stand_tree_on_default_model_is_exact_and_beats_its_chain(model_path):
+@pytest.fixture(scope="module")
+def smol_plain(model_path):
+    """Plain decoding of REPEATS on the default model."""
+    llm = smol_engine(model_path, None)
+    try:
+        return smol_run(llm)
+    finally:
+        shutdown(llm)
+
+
+def test_stand_tree_on_default_model_is_exact_and_beats_its_chain(model_path, smol_plain):
     from vllm_plugins.bench.engines import engine_stats
 
-    results = {}
-    for name, spec in (("plain", None),
-                       ("chain", {"method": "stand", "num_speculative_tokens": NODES}),
+    results = {"plain": (smol_plain, None)}
+    for name, spec in (("chain", {"method": "stand", "num_speculative_tokens": NODES}),
                        ("tree", {"method": "stand", "num_speculative_tokens": NODES,
                                  "draft_shape": "tree"})):
         llm = smol_engine(model_path, spec)
@@ -265,3 +274,25 @@ def test_stand_tree_on_default_model_is_exact_and_beats_its_chain(model_path):
     assert tree["tree_steps"] > 0, tree
     mat = {k: s["tokens"] / s["steps"] for k, s in (("tree", tree), ("chain", chain))}
     assert mat["tree"] > mat["chain"], mat
+
+
+def test_token_recycling_trees_under_goodput_are_plain_decoding(model_path, smol_plain):
+    """Token Recycling's trees with the goodput policy choosing which nodes
+    to verify each step (the default with draft_shape "tree"): subsets of
+    each tree re-laid in path-probability order, or its best path as a
+    chain. Greedy output is plain decoding's."""
+    from vllm_plugins.bench.engines import engine_stats
+
+    llm = smol_engine(model_path, {"method": "token_recycling", "num_speculative_tokens": 16,
+                                   "draft_shape": "tree"})
+    try:
+        got, stats = smol_run(llm), engine_stats(llm)
+    finally:
+        shutdown(llm)
+    assert stats["proposer"]["num_errors"] == 0, stats
+    trees = stats["proposer"]["draft_length"]["trees"]
+    assert trees["rows"] > 0 and trees["mean_nodes_kept"] > 0, trees
+    assert trees["nodes_observed"] > 0, trees
+    assert stats["tree_steps"] > 0, stats
+    for i, (g, w) in enumerate(zip(got, smol_plain)):
+        assert g == w, i
