@@ -213,7 +213,7 @@ def tree_markdown(rows: list[dict]) -> str:
              "|---:|---|---:|---:|---:|---:|"]
     for r in rows:
         t = r.get("trees")
-        if t:
+        if t and t.get("rows"):
             lines.append(f"| {r['batch']} | {r['method']} | {t['rows']} | "
                          f"{t['mean_nodes_offered']:.1f} | {t['mean_nodes_kept']:.1f} | "
                          f"{t['tree_steps']} / {t['chain_steps']} |")
