@@ -10,10 +10,10 @@ step. So every accepted node's K/V must move, positions must be by depth and
 attention by ancestry, or the output departs from plain decoding's. Odd
 prompts get chains, so each batch mixes both; one request asks for logprobs,
 which the tree path does not serve (it gets its chain prefix); a second wave
-of prompts extends the first prompts by part of their output, which prefix
-caching (vLLM's default) may serve from blocks the tree steps filled. The
-test does not show that it does: with the engine in this process, vLLM's
-vllm:prefix_cache_hits counter read 0.
+of prompts extends the first prompts by part of their output, and prefix
+caching (vLLM's default) serves it from blocks the tree steps filled
+(blocks of 32 tokens, so the first block of each second-wave prompt holds
+generated tokens; the outputs' ``num_cached_tokens`` show the hits).
 """
 
 import json
@@ -38,6 +38,7 @@ PROMPTS = [
     "red blue green red blue green red blue green red blue",
 ]
 EXTEND = 24  # output tokens the second wave's prompts carry
+BLOCK_SIZE = 32  # the CPU backend's smallest: a second-wave prompt fills one
 
 
 class OracleTreeProposer(PluginProposer):
@@ -108,7 +109,7 @@ def engine(model, spec):
 
     return LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
                enforce_eager=True, seed=0, speculative_config=spec,
-               use_tqdm_on_load=False)
+               block_size=BLOCK_SIZE, use_tqdm_on_load=False)
 
 
 def requests(prompt_ids, refs=None):
@@ -129,8 +130,11 @@ def requests(prompt_ids, refs=None):
     return first, second
 
 
-def generate(llm, batch):
+def generate(llm, batch, cached: list | None = None):
+    """Output token ids; each prompt's prefix-cache hit count into ``cached``."""
     outs = llm.generate([p for p, _ in batch], [s for _, s in batch], use_tqdm=False)
+    if cached is not None:
+        cached.extend(int(o.num_cached_tokens or 0) for o in outs)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -176,12 +180,14 @@ def run_oracle_engine(tiny_model: str, oracle: str, prompt_ids, batch4, out: str
         got4 = generate(llm, first)
         got1 = [generate(llm, [r])[0] for r in first[:2]]
         _, second = requests(prompt_ids, batch4)
-        wave2 = generate(llm, second)
+        cached: list[int] = []
+        wave2 = generate(llm, second, cached)
         stats = engine_stats(llm)
     finally:
         shutdown(llm)
     with open(out, "w") as f:
-        json.dump({"got4": got4, "got1": got1, "wave2": wave2, "stats": stats}, f)
+        json.dump({"got4": got4, "got1": got1, "wave2": wave2, "cached": cached,
+                   "stats": stats}, f)
 
 
 def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
@@ -209,6 +215,11 @@ def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
         assert g == w, ("batch 4", i)
     for i, (g, w) in enumerate(zip(got1, reference["batch1"])):
         assert g == w, ("batch 1", i)
+    # The second wave read its first block from the cache the first wave's
+    # tree steps (tree prompts) and chain steps filled, and decodes as plain.
+    for i, (prompt, hit) in enumerate(zip(reference["prompt_ids"], result["cached"])):
+        assert hit >= BLOCK_SIZE, ("no prefix-cache hit for second-wave prompt", i,
+                                   len(prompt) + EXTEND, result["cached"])
     for i, (g, w) in enumerate(zip(wave2, reference["wave2"])):
         assert g == w, ("prefix-cached second wave", i)
 
