@@ -106,6 +106,12 @@ class DraftedRows:
                     break
                 n_ok += 1 if j else 0
                 if row is None:
+                    # No row here, but the matcher computes this position's
+                    # mask before consuming the next draft, as plain
+                    # decoding's does: consumed without it, llguidance may
+                    # end in another state (a bonus row after a number
+                    # allowed a comma the grammar forbids there).
+                    m.compute_bitmask()
                     continue
                 if m.is_stopped():  # as plain decoding: EOS forced
                     force_rows.append(row)
