@@ -10,7 +10,6 @@ requests never meet a prompt whose output they have already seen.
 from __future__ import annotations
 
 import argparse
-import json
 
 DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling"]
 # The no-speculation engine run a second time on every batch: an A/A pair
@@ -119,16 +118,12 @@ def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
 
 
 def _resolve_methods(args):
-    from vllm_plugins.bench.engines import METHOD_CONFIGS, suffix_available
+    from vllm_plugins.bench.engines import (METHOD_CONFIGS, add_extra_methods,
+                                           suffix_available)
 
     methods = [m for m in args.methods.split(",") if m]
     configs = dict(METHOD_CONFIGS)
-    for item in args.extra:
-        name, sep, spec = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--extra wants NAME=JSON, got {item!r}")
-        configs[name] = json.loads(spec)
-        methods.append(name)
+    add_extra_methods(configs, methods, args.extra)
     if "suffix" in methods and not suffix_available():
         print("suffix: arctic-inference is not installed; skipping that method")
         methods.remove("suffix")
@@ -164,7 +159,7 @@ def main(argv=None) -> int:
                                            engine_stats, resolve_model, run_batch)
     from vllm_plugins.bench.report import (Tally, controller_delta,
                                            controller_markdown, markdown, ratio_ci,
-                                           speedup_plot, title, tree_markdown, write)
+                                           title, tree_markdown, write)
 
     model = resolve_model(args.model)
     methods, configs = _resolve_methods(args)

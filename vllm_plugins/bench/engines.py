@@ -64,6 +64,20 @@ def quiet_vllm() -> None:
         warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 
+def add_extra_methods(configs: dict, methods: list[str], extra: list[str]) -> None:
+    """``--extra NAME=JSON`` items: each NAME's speculative config into
+    ``configs`` and NAME onto ``methods``; a malformed item stops the run
+    naming it."""
+    import json
+
+    for item in extra:
+        name, sep, spec = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--extra wants NAME=JSON, got {item!r}")
+        configs[name] = json.loads(spec)
+        methods.append(name)
+
+
 def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
                  max_model_len: int = 2048, enforce_eager: bool = True,
                  seed: int = 0, kv_cache_mib: int = 512):

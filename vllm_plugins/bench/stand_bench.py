@@ -15,7 +15,6 @@ warming up on the measured prompts would hand it their n-grams for free.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import defaultdict
 
@@ -90,19 +89,15 @@ def main(argv=None) -> int:
     from vllm import SamplingParams
 
     from vllm_plugins.bench.data import load_questions, render
-    from vllm_plugins.bench.engines import (acceptance_between, build_engine,
-                                           engine_stats, resolve_model, shutdown_all)
+    from vllm_plugins.bench.engines import (acceptance_between, add_extra_methods,
+                                           build_engine, engine_stats, resolve_model,
+                                           shutdown_all)
     from vllm_plugins.bench.report import Tally, title, write
 
     model = resolve_model(args.model)
     methods = [m for m in args.methods.split(",") if m]
     configs = dict(METHODS)
-    for item in args.extra:
-        name, sep, spec = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--extra wants NAME=JSON, got {item!r}")
-        configs[name] = json.loads(spec)
-        methods.append(name)
+    add_extra_methods(configs, methods, args.extra)
     unknown = [m for m in methods if m not in configs]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(configs)}")
