@@ -25,8 +25,8 @@ METHODS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5,
               "prompt_lookup_max": 5, "prompt_lookup_min": 2},
-    # Both plugin methods with their defaults (the project's default
-    # draft_length, "fixed" at the time of writing).
+    # Both plugin methods with their own defaults (draft_length: goodput
+    # for token_recycling, fixed for stand).
     "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 6},
     "stand": {"method": "stand", "num_speculative_tokens": 6},
     # Not run unless asked for (--methods ...).
