@@ -20,6 +20,8 @@ kernel; ``tree_attention`` picks the kernel on CUDA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vllm_plugins.kernels.triton_support import jit, next_power_of_2, triton, triton_usable
@@ -59,48 +61,101 @@ def check_inputs(query, key_cache, value_cache, block_table, seq_lens,
         raise ValueError(f"out must have query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
 
 
+@dataclass
+class RequestAttention:
+    """One request of a planned step: its query rows, the cache blocks that
+    hold its positions, and what each of its rows may see."""
+
+    first_row: int
+    last_row: int           # exclusive
+    seq_len: int
+    blocks: torch.Tensor    # int64 block ids covering its seq_len positions
+    bias: torch.Tensor      # float32 [group * query_len, seq_len]
+
+
+@dataclass
+class TreeAttentionPlan:
+    """What every layer of a step reads the same way: computed once per step
+    from the block table, the sequence lengths and the masks, so a layer
+    only gathers its own K/V and multiplies."""
+
+    requests: list[RequestAttention]
+
+
+def plan_tree_attention(block_table: torch.Tensor, seq_lens: torch.Tensor,
+                        query_start_loc: torch.Tensor, tree_mask: torch.Tensor,
+                        block_size: int, group: int) -> TreeAttentionPlan:
+    """Per request: its blocks, and an additive bias (0 visible, -inf not)
+    over its rows (query heads of a kv head, then tokens) and its positions:
+    every committed position visible, the step's positions by
+    ``tree_mask``."""
+    starts = query_start_loc.tolist()
+    out = []
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 > q0:
+            out.append(request_attention(q0, seq_len, block_table[b], tree_mask[q0:q1, :q1 - q0],
+                                         block_size, group))
+    return TreeAttentionPlan(out)
+
+
+def request_attention(first_row: int, seq_len: int, block_table_row: torch.Tensor,
+                      mask: torch.Tensor, block_size: int, group: int) -> RequestAttention:
+    """One request's part of a plan: its step tokens are rows ``first_row``
+    on of the query, and ``mask`` [query_len, query_len] says which of them
+    each sees."""
+    query_len = mask.shape[0]
+    bias = torch.zeros(query_len, seq_len)
+    bias[:, seq_len - query_len:].masked_fill_(~mask.cpu(), float("-inf"))
+    num_blocks = -(-seq_len // block_size)
+    return RequestAttention(first_row, first_row + query_len, seq_len,
+                            block_table_row[:num_blocks].long(),
+                            bias.repeat(group, 1).to(block_table_row.device))
+
+
+def tree_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, plan: TreeAttentionPlan,
+                           scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One layer of a planned step: per request, its blocks' K/V gathered
+    once, then scores, bias, softmax and values as three batched matrix
+    operations over [kv_heads, group * query_len, positions] in float32."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    for r in plan.requests:
+        query_len = r.last_row - r.first_row
+        # [seq_len, kv_heads, D] -> keys^T [kv_heads, D, seq_len], values [kv_heads, seq_len, D]
+        keys = key_cache.index_select(0, r.blocks).view(-1, num_kv_heads, head_size)[:r.seq_len]
+        values = value_cache.index_select(0, r.blocks).view(-1, num_kv_heads, head_size)[:r.seq_len]
+        # [query_len, heads, D] -> [kv_heads, group * query_len, D]; head h = kv * group + g
+        q = query[r.first_row:r.last_row].float().view(query_len, num_kv_heads, group, head_size)
+        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_size)
+        scores = torch.baddbmm(r.bias.unsqueeze(0), q, keys.permute(1, 2, 0).float(),
+                               alpha=scale)
+        probs = torch.softmax(scores, dim=-1)
+        result = torch.bmm(probs, values.transpose(0, 1).float())
+        out[r.first_row:r.last_row] = result.view(num_kv_heads, group, query_len, head_size) \
+            .permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
+    return out
+
+
 def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
                          value_cache: torch.Tensor, block_table: torch.Tensor,
                          seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          tree_mask: torch.Tensor, scale: float,
                          out: torch.Tensor | None = None) -> torch.Tensor:
-    """The CPU path: per request, gather its K/V once from whole blocks, one
-    masked softmax in float32 over [kv_heads, group * query_len, seq_len].
+    """The CPU path: ``plan_tree_attention`` then ``tree_attention_planned``
+    (an engine plans once per step and runs every layer on the plan).
     Token rows outside every request are left as they are in ``out`` (zero
     when ``out`` is None)."""
     check_inputs(query, key_cache, value_cache, block_table, seq_lens,
                  query_start_loc, tree_mask, out)
-    num_tokens, num_heads, head_size = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group = num_heads // num_kv_heads
     if out is None:
         out = torch.zeros_like(query)
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    for b, seq_len in enumerate(lengths):
-        q0, q1 = starts[b], starts[b + 1]
-        query_len = q1 - q0
-        if query_len <= 0:
-            continue
-        committed = seq_len - query_len
-        num_blocks = -(-seq_len // block_size)
-        blocks = block_table[b, :num_blocks].long()
-        # [seq_len, kv_heads, head_size] -> [kv_heads, seq_len, head_size]
-        keys = key_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_size)[:seq_len]
-        values = value_cache.index_select(0, blocks).reshape(-1, num_kv_heads, head_size)[:seq_len]
-        keys = keys.transpose(0, 1).float()
-        values = values.transpose(0, 1).float()
-        # [query_len, heads, D] -> [kv_heads, group * query_len, D]; head h = kv * group + g
-        q = query[q0:q1].float().view(query_len, num_kv_heads, group, head_size)
-        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_size)
-        scores = torch.bmm(q, keys.transpose(1, 2)).mul_(scale)
-        hidden = ~tree_mask[q0:q1, :query_len].to(scores.device)  # committed: all seen
-        scores.view(num_kv_heads, group, query_len, seq_len)[..., committed:].masked_fill_(
-            hidden, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result = torch.bmm(probs, values).view(num_kv_heads, group, query_len, head_size)
-        out[q0:q1] = result.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size)
-    return out
+    group = query.shape[1] // key_cache.shape[2]
+    plan = plan_tree_attention(block_table, seq_lens, query_start_loc, tree_mask,
+                               key_cache.shape[1], group)
+    return tree_attention_planned(query, key_cache, value_cache, plan, scale, out)
 
 
 def _tree_attention_kernel_fn(

@@ -109,46 +109,99 @@ def ref_attention(q, keys, values, scale):
     return out
 
 
-def test_attend_recomputes_tree_rows_by_ancestry_and_keeps_chain_rows():
-    block_size, num_blocks, heads, kv_heads, dim = 4, 32, 4, 2, 8
-    batch = [("chain", 3, 6), ("tree", TREE_A, 9), ("tree", TREE_B, 2)]
+def cpu_attention_step(batch, block_size=32, num_blocks=32, heads=4, kv_heads=2, dim=64):
+    """A planned step over a random CPU-layout cache, with vLLM's own CPU
+    attention (impl, layer, full-batch metadata) around it."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionBackendImpl, CPUAttentionMetadata, _get_attn_isa)
+
     plan, trees, tables, num_sched, num_comp = make_plan(batch, block_size, num_blocks)
     gen = torch.Generator().manual_seed(0)
     kv_cache = torch.randn(num_blocks, kv_heads, block_size, 2 * dim, generator=gen)
     total = sum(num_sched)
     query = torch.randn(total, heads, dim, generator=gen)
-    output = torch.full((total, heads, dim), 7.0)
     width = max(len(t) for t in tables)
     block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-    meta = SimpleNamespace(num_actual_tokens=total, block_table=block_table,
-                           seq_lens=torch.tensor([q + nc for q, nc in zip(num_sched, num_comp)],
-                                                 dtype=torch.int32))
-    impl = SimpleNamespace(scale=0.3)
-    tree_step.attend(plan, impl, query, kv_cache, meta, output)
-    keys, values = cpu_cache_views(kv_cache)
+    seq_lens = torch.tensor([q + nc for q, nc in zip(num_sched, num_comp)], dtype=torch.int32)
+    qsl = torch.tensor(np.concatenate([[0], np.cumsum(num_sched)]), dtype=torch.int32)
+    isa = _get_attn_isa(torch.float32, block_size, dim)
+    from unittest import mock
+
+    # The impl reads the model's dtype from the current vLLM config at init.
+    config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
+    with mock.patch("vllm.v1.attention.backends.cpu_attn.get_current_vllm_config",
+                    return_value=config):
+        impl = CPUAttentionBackendImpl(heads, dim, 0.3, kv_heads, None, None, "auto")
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    meta = CPUAttentionMetadata(
+        num_actual_tokens=total, max_query_len=max(num_sched), query_start_loc=qsl,
+        max_seq_len=int(seq_lens.max()), seq_lens=seq_lens, block_table=block_table,
+        slot_mapping=torch.zeros(total, dtype=torch.int64),
+        scheduler_metadata=ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(batch), num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+            seq_lens=seq_lens, dtype=torch.float32, query_start_loc=qsl, causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=False))
+    return SimpleNamespace(plan=plan, tables=tables, num_sched=num_sched, kv_cache=kv_cache,
+                           query=query, meta=meta, impl=impl, layer=layer,
+                           block_size=block_size, total=total)
+
+
+def run_attend(s):
+    """The step through tree_step.attend with vLLM's forward for the other
+    requests; returns the output and the rows vLLM's forward was given."""
+    seen = []
+
+    def vllm_attention(q, metadata, out):
+        seen.append(int(metadata.num_actual_tokens))
+        s.impl.forward(s.layer, q, None, None, s.kv_cache, metadata, out)
+
+    output = torch.full((s.total, *s.query.shape[1:]), 7.0)
+    tree_step.attend(s.plan, s.impl, s.layer, s.query, s.kv_cache, s.meta, output,
+                     vllm_attention)
+    return output, seen
+
+
+def test_attend_computes_tree_rows_by_ancestry_and_other_rows_once_by_vllm():
+    batch = [("chain", 3, 6), ("tree", TREE_A, 40), ("chain", 1, 70), ("tree", TREE_B, 2)]
+    s = cpu_attention_step(batch)
+    output, seen = run_attend(s)
+    assert seen == [3 + 1]  # vLLM's op ran once per layer, on the chain rows only
+    vllm_all = torch.zeros_like(output)
+    s.impl.forward(s.layer, s.query, None, None, s.kv_cache, s.meta, vllm_all)
+    keys, values = cpu_cache_views(s.kv_cache)
 
     def kv_at(b, pos):
-        blk = tables[b][pos // block_size]
-        return keys[blk, pos % block_size], values[blk, pos % block_size]
+        blk = s.tables[b][pos // s.block_size]
+        return keys[blk, pos % s.block_size], values[blk, pos % s.block_size]
 
     start = 0
-    for b, ((kind, spec, nc), q) in enumerate(zip(batch, num_sched)):
+    for b, ((kind, spec, nc), q) in enumerate(zip(batch, s.num_sched)):
         for t in range(q):
             row = output[start + t]
-            if kind != "tree":
-                assert torch.all(row == 7.0)  # vLLM's rows are left alone
+            if kind != "tree":  # as vLLM's op over the whole batch gives it
+                torch.testing.assert_close(row, vllm_all[start + t], rtol=1e-5, atol=1e-5)
                 continue
             visible = list(range(nc))  # committed prefix
             visible += [nc] if t == 0 else [nc] + sorted(
                 nc + 1 + i for i in ref_ancestors(spec, t - 1))
             ks = torch.stack([kv_at(b, p)[0] for p in visible])
             vs = torch.stack([kv_at(b, p)[1] for p in visible])
-            want = ref_attention(query[start + t], ks, vs, 0.3)
+            want = ref_attention(s.query[start + t], ks, vs, 0.3)
             torch.testing.assert_close(row, want, rtol=1e-5, atol=1e-5)
+            if t > 1 and spec[t - 1] != t - 2:  # a branch: vLLM's causal row differs
+                assert (vllm_all[start + t] - want).abs().max() > 1e-3
         start += q
-    meta.num_actual_tokens = total + 1
+    s.meta.num_actual_tokens = s.total + 1
     with pytest.raises(RuntimeError, match="planned"):
-        tree_step.attend(plan, impl, query, kv_cache, meta, output)
+        run_attend(s)
+
+
+def test_attend_runs_no_vllm_attention_when_every_request_is_a_tree():
+    s = cpu_attention_step([("tree", TREE_A, 33), ("tree", TREE_B, 5)])
+    output, seen = run_attend(s)
+    assert seen == []
+    assert not torch.any(output == 7.0)
 
 
 def test_kv_move_puts_the_accepted_path_at_chain_slots():

@@ -143,18 +143,24 @@ def wrap_prepare_inputs(original):
 
 def wrap_cpu_attention(original):
     # CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
-    #     attn_metadata, output, ...): vLLM's result first, then tree
-    # requests' rows again with their ancestry masks.
+    #     attn_metadata, output, ...) -> output: attention only (the backend's
+    # forward_includes_kv_cache_update is False: vLLM wrote this step's K/V
+    # before). In a tree step, tree requests' rows by their ancestry masks,
+    # the other requests' by vLLM's forward over them alone.
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 *args, **kwargs):
-        result = original(self, layer, query, key, value, kv_cache, attn_metadata,
-                          output, *args, **kwargs)
         plan = tree_step.ACTIVE
         if plan is None or attn_metadata is None or self.attn_type != "decoder":
-            return result
-        tree_step.attend(plan, self, query, kv_cache, attn_metadata, output)
-        return result
+            return original(self, layer, query, key, value, kv_cache, attn_metadata,
+                            output, *args, **kwargs)
+
+        def vllm_attention(q, metadata, out):
+            original(self, layer, q, key, value, kv_cache, metadata, out, *args, **kwargs)
+
+        tree_step.attend(plan, self, layer, query, kv_cache, attn_metadata, output,
+                         vllm_attention)
+        return output
 
     return forward
 

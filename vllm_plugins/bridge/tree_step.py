@@ -32,7 +32,7 @@ bridge cuts their draft to its longest chain prefix before vLLM sees it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -161,11 +161,10 @@ class TreeStep:
     """One step's tree requests, and what attention needs of them."""
 
     requests: list[TreeRequest]
-    token_index: torch.Tensor  # step token rows of tree requests, int64
-    req_index: torch.Tensor  # their batch indices, int64
-    query_start_loc: torch.Tensor  # over tree requests only, int32
     mask: torch.Tensor  # [tree tokens, max query len] bool
     num_tokens: int  # tokens of the whole step (attention's sanity check)
+    # id(attention metadata) -> StepAttention, planned at a group's first layer
+    attention: dict = field(default_factory=dict)
 
 
 # The step being run: set by the runner's _prepare_inputs wrapper, cleared
@@ -220,16 +219,9 @@ def plan(trees: dict, req_ids, num_scheduled, num_computed, scheduled_drafts,
         start += q
     if not out:
         return None
-    rows = np.concatenate([np.arange(r.query_start, r.query_start + len(r.tokens) + 1)
-                           for r in out])
     lens = [len(r.tokens) + 1 for r in out]
-    qsl = np.zeros(len(out) + 1, dtype=np.int32)
-    qsl[1:] = np.cumsum(lens)
     return TreeStep(
         requests=out,
-        token_index=torch.from_numpy(rows.astype(np.int64)),
-        req_index=torch.tensor([r.batch_index for r in out], dtype=torch.int64),
-        query_start_loc=torch.from_numpy(qsl),
         mask=step_mask([r.parents for r in out], lens),
         num_tokens=total,
     )
@@ -249,25 +241,105 @@ def depth_positions(step: TreeStep, positions: torch.Tensor) -> None:
 
 # --------------------------------------------------------------- attention
 
-def attend(step: TreeStep, impl, query: torch.Tensor, kv_cache: torch.Tensor,
-           attn_metadata, output: torch.Tensor) -> None:
-    """Tree requests' attention rows, recomputed with the ancestry mask over
-    the paged cache vLLM just wrote (query, output: [tokens, heads, head])."""
+@dataclass
+class StepAttention:
+    """How one step's layers attend, planned at the first layer of an
+    attention group (its metadata object is shared by the group's layers):
+    tree requests by ``kernels.tree_attention`` on a per-step plan, and the
+    other requests by vLLM's own op over them alone, so no row is computed
+    twice."""
+
+    tree: object                       # kernels.tree_attention.TreeAttentionPlan
+    other_rows: torch.Tensor | None    # the other requests' token rows, int64
+    other_metadata: object | None      # vLLM's metadata for those requests alone
+    vllm_all: bool = False             # vLLM's op over every row (it cannot be cut)
+
+
+def plan_attention(step: TreeStep, impl, layer, attn_metadata, block_size: int,
+                   dtype) -> StepAttention:
+    from vllm_plugins.kernels.tree_attention import TreeAttentionPlan, request_attention
+
+    group = impl.num_heads // impl.num_kv_heads
+    tree_plan = TreeAttentionPlan([])
+    packed = 0
+    seq_lens = attn_metadata.seq_lens.tolist()
+    for r in step.requests:
+        q = len(r.tokens) + 1
+        tree_plan.requests.append(request_attention(
+            r.query_start, seq_lens[r.batch_index],
+            attn_metadata.block_table[r.batch_index],
+            step.mask[packed:packed + q, :q], block_size, group))
+        packed += q
+    tree_batch = {r.batch_index for r in step.requests}
+    others = [b for b in range(len(seq_lens)) if b not in tree_batch]
+    if not others:
+        return StepAttention(tree_plan, None, None)
+    if getattr(attn_metadata, "dynamic_causal", None) is not None \
+            or attn_metadata.causal is not True:
+        return StepAttention(tree_plan, None, None, vllm_all=True)
+    rows, metadata = subset_metadata(attn_metadata, others, impl, layer, dtype)
+    return StepAttention(tree_plan, rows, metadata)
+
+
+def subset_metadata(attn_metadata, keep: list[int], impl, layer, dtype):
+    """(token rows, metadata) for vLLM's CPU attention over the requests
+    ``keep`` alone: CPUAttentionMetadata with their query starts, sequence
+    lengths and block table rows, and the scheduler metadata that
+    CPUAttentionMetadataBuilder.build would give them (vllm._custom_ops.
+    cpu_attn_get_scheduler_metadata with the builder's arguments)."""
+    import dataclasses
+
+    from vllm import _custom_ops as ops
+    from vllm import envs
+
+    starts = attn_metadata.query_start_loc.tolist()
+    lens = [starts[b + 1] - starts[b] for b in keep]
+    rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in keep])
+    qsl = torch.zeros(len(keep) + 1, dtype=attn_metadata.query_start_loc.dtype)
+    qsl[1:] = torch.tensor(np.cumsum(lens))
+    index = torch.tensor(keep, dtype=torch.int64)
+    seq_lens = attn_metadata.seq_lens.index_select(0, index)
+    scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(keep), num_heads=impl.num_heads, num_kv_heads=impl.num_kv_heads,
+        head_dim=impl.head_size, seq_lens=seq_lens, dtype=dtype, query_start_loc=qsl,
+        causal=True, sliding_window_size=-1, isa=layer.isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None,
+        kv_cache_dtype=impl.kv_cache_dtype)
+    metadata = dataclasses.replace(
+        attn_metadata, num_actual_tokens=int(rows.numel()), max_query_len=max(lens),
+        query_start_loc=qsl, max_seq_len=int(seq_lens.max()), seq_lens=seq_lens,
+        block_table=attn_metadata.block_table.index_select(0, index),
+        scheduler_metadata=scheduler_metadata)
+    return rows, metadata
+
+
+def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor,
+           attn_metadata, output: torch.Tensor, vllm_attention) -> None:
+    """One layer of a tree step (query, output: [tokens, heads, head]):
+    tree requests' rows by ancestry over the paged cache vLLM just wrote,
+    the other requests' rows by ``vllm_attention(query, metadata, output)``
+    (vLLM's own forward) over them alone."""
     from vllm_plugins.kernels.cache_layout import cpu_cache_views
-    from vllm_plugins.kernels.tree_attention import tree_attention
+    from vllm_plugins.kernels.tree_attention import tree_attention_planned
 
     if attn_metadata.num_actual_tokens != step.num_tokens:
         raise RuntimeError(f"tree step planned for {step.num_tokens} tokens, attention "
                            f"runs {attn_metadata.num_actual_tokens}")
+    planned = step.attention.get(id(attn_metadata))
+    if planned is None:
+        # kv_cache: [num_blocks, kv_heads, block_size, 2 * head_size]
+        planned = plan_attention(step, impl, layer, attn_metadata, kv_cache.shape[2],
+                                 query.dtype)
+        step.attention[id(attn_metadata)] = planned
+    if planned.vllm_all:
+        vllm_attention(query, attn_metadata, output)
+    elif planned.other_rows is not None:
+        rows = planned.other_rows
+        part = output.new_empty((rows.numel(), *output.shape[1:]))
+        vllm_attention(query.index_select(0, rows), planned.other_metadata, part)
+        output.index_copy_(0, rows, part)
     key_cache, value_cache = cpu_cache_views(kv_cache)
-    idx = step.token_index.to(query.device)
-    req = step.req_index.to(attn_metadata.block_table.device)
-    result = tree_attention(
-        query.index_select(0, idx), key_cache, value_cache,
-        attn_metadata.block_table.index_select(0, req),
-        attn_metadata.seq_lens.index_select(0, req.to(attn_metadata.seq_lens.device)),
-        step.query_start_loc, step.mask, impl.scale)
-    output.index_copy_(0, idx.to(output.device), result.to(output.dtype))
+    tree_attention_planned(query, key_cache, value_cache, planned.tree, impl.scale, output)
 
 
 def unsupported_attention(impl) -> str | None:
@@ -402,11 +474,11 @@ def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
     if not src:
         return
     seen = set()
+    s = torch.tensor(src, dtype=torch.int64)
+    d = torch.tensor(dst, dtype=torch.int64)
     for cache in kv_caches:
         if cache is None or cache.data_ptr() in seen:
             continue  # layers sharing one cache move it once
         seen.add(cache.data_ptr())
         key, value = cpu_cache_views(cache)
-        s = torch.tensor(src, dtype=torch.int64, device=cache.device)
-        d = torch.tensor(dst, dtype=torch.int64, device=cache.device)
-        move_kv(key, value, s, d)
+        move_kv(key, value, s.to(cache.device), d.to(cache.device))
