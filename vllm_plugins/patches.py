@@ -178,6 +178,9 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
     "vllm.distributed.parallel_state:GroupCoordinator.first_rank",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
+    "vllm._custom_ops:cpu_attn_get_scheduler_metadata",
 )
 
 
