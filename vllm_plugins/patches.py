@@ -66,8 +66,9 @@ PATCHES: tuple[Patch, ...] = (
           runner.wrap_prepare_inputs),
     Patch("tree.cpu_attention",
           "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
-          "tree requests attend by ancestry (kernels.tree_attention) in a step "
-          "verifying tree drafts; chain requests keep vLLM's result",
+          "in a step verifying tree drafts, tree requests attend by ancestry "
+          "(kernels.tree_attention) and vLLM's forward runs on the other "
+          "requests alone, so no row is computed twice",
           _PINS + "test_cpu_attention_forward_reads_a_cache_vllm_wrote",
           runner.wrap_cpu_attention),
     Patch("worker.stats", "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_stats",

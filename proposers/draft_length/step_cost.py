@@ -43,8 +43,9 @@ class StepCostModel:
       count over many values and pays it again and again (a GPU with CUDA
       graphs has the same kind of cost for sizes off its captured set).
     - ``tree`` is 1 for a step that verified at least one draft tree that is
-      not a chain: the bridge recomputes those requests' attention rows
-      with the ancestry mask and moves the accepted nodes' K/V.
+      not a chain: the bridge plans the step's ancestry masks, computes
+      those requests' attention rows with them instead of vLLM's op,
+      accepts by path and moves the accepted nodes' K/V.
 
     Fitted by least squares over the last ``window`` (tokens, batch,
     verifies, new_shape, tree, seconds) observations (a ring buffer), with one round of

@@ -14,10 +14,11 @@ each request whose scheduled drafts are a prefix of the tree we recorded:
    rewritten to ``num_computed + depth`` (the root, the request's last
    committed token, at depth 0). ``ACTIVE`` then holds the step's ancestry
    masks for the attention wrapper until the forward returns.
-2. ``attend`` (after vLLM's attention of each layer): the rows of tree
-   requests are recomputed with ``kernels.tree_attention`` (each node sees
-   the committed prefix, its ancestors and itself); chain requests keep
-   vLLM's own result. vLLM already wrote every node's K/V at its slot.
+2. ``attend`` (in place of vLLM's attention of each layer): the rows of
+   tree requests come from ``kernels.tree_attention`` (each node sees the
+   committed prefix, its ancestors and itself), the other requests' from
+   vLLM's own forward over them alone, so no row is computed twice. vLLM
+   already wrote every node's K/V at its slot.
 3. ``accept`` (after vLLM's sampler): a tree request's row of the sampler's
    output is replaced by the tree's accepted path plus one token
    (``vllm_plugins.tree.acceptance``), then the accepted nodes' K/V move
