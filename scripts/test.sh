@@ -20,4 +20,22 @@ fi
 
 # -ra: say why anything was skipped or xfailed; a hung engine fails its test
 # instead of the whole run (first vLLM start on CPU compiles for minutes).
-exec "$VPY" -m pytest -q -ra --durations=15 --timeout=1800 "$@"
+PYTEST=("$VPY" -m pytest -q -ra --durations=15 --timeout=1800)
+if [ "$#" -gt 0 ]; then
+    exec "${PYTEST[@]}" "$@"
+fi
+
+# The whole suite as two streams, one per core: the end-to-end tests (marked
+# slow; their vLLM engines bind to core 0) and the rest beside them. Each
+# prints its own summary; the run fails if either does.
+fast_log="$(mktemp)"
+trap 'rm -f "$fast_log"' EXIT
+"${PYTEST[@]}" -m "not slow" >"$fast_log" 2>&1 &
+fast=$!
+slow_rc=0
+"${PYTEST[@]}" -m slow || slow_rc=$?
+fast_rc=0
+wait "$fast" || fast_rc=$?
+echo "== tests without an engine (beside the end-to-end tests above)"
+cat "$fast_log"
+[ "$slow_rc" -eq 0 ] && [ "$fast_rc" -eq 0 ]

@@ -32,7 +32,9 @@ def test_same_as_torch_topk(rows, vocab, k):
     ref_lp, ref_ids = reference(logits, k)
     assert ids.dtype == ref_ids.dtype and ids.shape == ref_ids.shape == (rows, k)
     assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
+    # The normaliser sums 49152 float32 terms in another order than
+    # logsumexp (and vector width differs by CPU): about 1e-5 of its size.
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-4)
 
 
 def test_masked_logits_and_ties():

@@ -258,6 +258,10 @@ class StepAttention:
 
 def plan_attention(step: TreeStep, impl, layer, attn_metadata, block_size: int,
                    dtype) -> StepAttention:
+    """The step's attention for one group's layers. vLLM's op is cut to the
+    other requests only when its metadata is plain causal; otherwise it runs
+    over every row and tree rows are overwritten (exact, at twice their
+    cost)."""
     from vllm_plugins.kernels.tree_attention import TreeAttentionPlan, request_attention
 
     group = impl.num_heads // impl.num_kv_heads
