@@ -4,6 +4,7 @@ acceptance written into vLLM's output, the K/V move's slots, and the rules
 that send a request's tree to vLLM as a chain."""
 
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -126,8 +127,6 @@ def cpu_attention_step(batch, block_size=32, num_blocks=32, heads=4, kv_heads=2,
     seq_lens = torch.tensor([q + nc for q, nc in zip(num_sched, num_comp)], dtype=torch.int32)
     qsl = torch.tensor(np.concatenate([[0], np.cumsum(num_sched)]), dtype=torch.int32)
     isa = _get_attn_isa(torch.float32, block_size, dim)
-    from unittest import mock
-
     # The impl reads the model's dtype from the current vLLM config at init.
     config = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.float32))
     with mock.patch("vllm.v1.attention.backends.cpu_attn.get_current_vllm_config",
@@ -166,7 +165,7 @@ def test_attend_computes_tree_rows_by_ancestry_and_other_rows_once_by_vllm():
     batch = [("chain", 3, 6), ("tree", TREE_A, 40), ("chain", 1, 70), ("tree", TREE_B, 2)]
     s = cpu_attention_step(batch)
     output, seen = run_attend(s)
-    assert seen == [3 + 1]  # vLLM's op ran once per layer, on the chain rows only
+    assert seen == [3 + 1]  # vLLM's op ran once, on the chain rows only
     vllm_all = torch.zeros_like(output)
     s.impl.forward(s.layer, s.query, None, None, s.kv_cache, s.meta, vllm_all)
     keys, values = cpu_cache_views(s.kv_cache)
