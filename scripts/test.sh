@@ -19,23 +19,19 @@ if [ ! -f "$stamp" ]; then
 fi
 
 # -ra: say why anything was skipped or xfailed; a hung engine fails its test
-# instead of the whole run (first vLLM start on CPU compiles for minutes).
-PYTEST=("$VPY" -m pytest -q -ra --durations=15 --timeout=1800)
+# instead of the whole run (first vLLM start on CPU compiles for minutes);
+# --tb=short: a long traceback prints each argument, and printing a vllm.LLM
+# asks its engine, which waits forever when that engine is what failed.
+PYTEST=("$VPY" -m pytest -q -ra --durations=15 --timeout=1800 --tb=short)
 if [ "$#" -gt 0 ]; then
     exec "${PYTEST[@]}" "$@"
 fi
 
-# The whole suite as two streams, one per core: the end-to-end tests (marked
-# slow; their vLLM engines bind to core 0) and the rest beside them. Each
-# prints its own summary; the run fails if either does.
-fast_log="$(mktemp)"
-trap 'rm -f "$fast_log"' EXIT
-"${PYTEST[@]}" -m "not slow" >"$fast_log" 2>&1 &
-fast=$!
-slow_rc=0
-"${PYTEST[@]}" -m slow || slow_rc=$?
-fast_rc=0
-wait "$fast" || fast_rc=$?
-echo "== tests without an engine (beside the end-to-end tests above)"
-cat "$fast_log"
-[ "$slow_rc" -eq 0 ] && [ "$fast_rc" -eq 0 ]
+# The whole suite, one pytest-xdist worker per core (tests/conftest.py binds
+# each worker's vLLM engines to its core), at most one per 10 GiB of memory (a
+# worker holds up to three CPU engines of about 3 GB). Whole modules go to a
+# worker, the end-to-end ones first, so a module's shared engine is built once.
+workers="$("$VPY" -c 'import os
+mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+print(max(1, min(len(os.sched_getaffinity(0)), int(mem // 10))))')"
+exec "${PYTEST[@]}" -n "$workers" --dist loadfile --no-loadscope-reorder

@@ -1,9 +1,48 @@
+import contextlib
 import gc
 import os
 
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def bind_worker_to_its_core() -> None:
+    """scripts/test.sh runs one pytest-xdist worker per core. vLLM's CPU
+    engine binds its threads to core 0 unless told otherwise, so without this
+    every worker's engines would share one core and run at half speed."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
+    if worker is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+bind_worker_to_its_core()
+
+
+@contextlib.contextmanager
+def engine_cores(cores: str):
+    """Engines started inside bind to ``cores`` (vLLM's syntax, e.g. "0|1"
+    for two tensor parallel ranks); the worker's own binding comes back after."""
+    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cores
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
+
+
+def pytest_collection_modifyitems(items):
+    """Modules with end-to-end tests first, each module's tests kept together:
+    scripts/test.sh hands whole modules to its workers in this order, so the
+    long ones start early and the short ones fill in at the end."""
+    end_to_end = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in end_to_end)
 
 
 @pytest.fixture(scope="session")

@@ -9,11 +9,9 @@ history, the seconds its decisions read: vllm_plugins.bridge.ranks) must
 match the other rank's, step for step.
 """
 
-import os
-
 import pytest
 
-from tests.conftest import shutdown
+from tests.conftest import engine_cores, shutdown
 
 pytestmark = pytest.mark.slow
 
@@ -73,15 +71,14 @@ def tiny_tp_model(tmp_path_factory):
 
 
 def tp_engine(model: str, spec: dict | None):
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    return LLM(model=model, dtype="float32", tensor_parallel_size=TP,
-               distributed_executor_backend="mp", max_model_len=512,
-               max_num_seqs=4, enforce_eager=True, seed=0,
-               speculative_config=spec, kv_cache_memory_bytes=64 * 2**20,
-               use_tqdm_on_load=False)
+    with engine_cores("0|1"):
+        return LLM(model=model, dtype="float32", tensor_parallel_size=TP,
+                   distributed_executor_backend="mp", max_model_len=512,
+                   max_num_seqs=4, enforce_eager=True, seed=0,
+                   speculative_config=spec, kv_cache_memory_bytes=64 * 2**20,
+                   use_tqdm_on_load=False)
 
 
 def greedy(structured=False):
