@@ -21,7 +21,7 @@ fi
 # -ra: say why anything was skipped or xfailed; a hung engine fails its test
 # instead of the whole run (first vLLM start on CPU compiles for minutes);
 # --tb=short: a long traceback prints each argument, and printing a vllm.LLM
-# asks its engine, which waits forever when that engine is what failed.
+# asks its engine, a call that never returns once the engine's client is dead.
 PYTEST=("$VPY" -m pytest -q -ra --durations=15 --timeout=1800 --tb=short)
 if [ "$#" -gt 0 ]; then
     exec "${PYTEST[@]}" "$@"
