@@ -264,6 +264,31 @@ def test_cpu_expand_batch_to_tokens_fix():
     assert got.dtype == torch.int32 and got.tolist() == [3, 3, 7, 7, 7]
 
 
+def test_cpu_kernel_scan_survives_numba():
+    """vLLM's CPU build rebinds Triton kernels at each worker start by
+    reading ``vars()`` of every module global; llvmlite's ``ffi.lib`` answers
+    ``__dict__`` with a function wrapper. With the builtin ``vars`` the scan
+    raises once numba is imported (the first half fails the day vLLM fixes
+    it, and the patch can go); with ours it finishes."""
+    import llvmlite.binding.ffi  # noqa: F401  (what importing numba loads)
+    from vllm.triton_utils import dispatcher
+
+    from vllm_plugins.bridge.cpu_fixes import add_kernel_scan_vars
+
+    assert "vars(value).get(" in inspect.getsource(dispatcher._rebind_kernels)
+    ours = dispatcher.__dict__.pop("vars", None)
+    try:
+        with pytest.raises(AttributeError, match="get"):
+            dispatcher._rebind_kernels([])
+        dispatcher.vars = add_kernel_scan_vars(None)
+        dispatcher._rebind_kernels([])  # nothing to rebind: a scan only
+    finally:
+        if ours is None:
+            dispatcher.__dict__.pop("vars", None)
+        else:
+            dispatcher.vars = ours
+
+
 def _names_vllm_probes_on_drafters() -> set[str]:
     """Attribute names vLLM reads on a runner's drafter anywhere in its source:
     ``drafter.x``, ``self.drafter.x`` and ``getattr/hasattr(drafter, "x")``."""

@@ -30,10 +30,10 @@ def ours(runner) -> list[str]:
 
 
 def probe(model_path: str, spec_json: str) -> None:
-    """Runs in a fresh process (an in-process engine core, so the runner is
-    reachable; vLLM's kernel rebinding scans sys.modules, which a test
-    session's imports can upset): serves 300 requests and prints what it
-    found on the runner after each hundred, as one JSON line."""
+    """Runs in a fresh process, so that nothing the test session imported
+    or built is there, with an in-process engine core, so that the runner is
+    reachable: serves 300 requests and prints what it found on the runner
+    after each hundred, as one JSON line."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 

@@ -146,6 +146,12 @@ PATCHES: tuple[Patch, ...] = (
           "parameters uninitialised on draft rows",
           _PINS + "test_cpu_expand_batch_to_tokens_fix",
           cpu_fixes.replace_expand_batch_to_tokens, when=cpu_fixes.no_triton),
+    Patch("cpu.kernel_scan_vars", "vllm.triton_utils.dispatcher:vars",
+          "vLLM's CPU build scans every module for Triton kernels to rebind "
+          "and fails on llvmlite's objects once numba is imported, so an "
+          "engine built in a process that loaded our proposers would not start",
+          _PINS + "test_cpu_kernel_scan_survives_numba",
+          cpu_fixes.add_kernel_scan_vars, when=cpu_fixes.no_triton, adds=True),
 )
 
 # Read, not replaced: each pinned in tests/test_bridge_pins.py.

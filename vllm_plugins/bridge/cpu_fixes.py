@@ -1,6 +1,8 @@
-"""A correction to vLLM's CPU build that speculative sampling depends on."""
+"""Corrections to vLLM's CPU build that our proposers depend on."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
@@ -30,3 +32,23 @@ def replace_expand_batch_to_tokens(_original):
         return torch.repeat_interleave(x, counts, output_size=num_tokens)
 
     return expand_batch_to_tokens
+
+
+def add_kernel_scan_vars(_missing):
+    # vllm.triton_utils.dispatcher._rebind_kernels (run by the CPU platform's
+    # register_triton_kernel_overrides at every worker start) scans the
+    # globals of every imported module and reads ``vars(value).get("kernel")``
+    # of each one that has a ``__dict__``. llvmlite's ``binding.ffi.lib``
+    # answers any attribute, ``__dict__`` included, with a C function
+    # wrapper, so once numba is imported in the process (our proposers use
+    # it) the scan raises AttributeError and the engine does not start. That
+    # is every engine built in a process that already validated our
+    # speculative config: an in-process engine
+    # (VLLM_ENABLE_V1_MULTIPROCESSING=0), or a second engine there. This
+    # module-level ``vars`` shadows the builtin for the dispatcher alone and
+    # reads such an object as having no namespace.
+    def vars_or_empty(obj):
+        namespace = vars(obj)
+        return namespace if isinstance(namespace, Mapping) else {}
+
+    return vars_or_empty
