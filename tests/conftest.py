@@ -29,37 +29,52 @@ def bind_worker_to_its_core() -> None:
 bind_worker_to_its_core()
 
 
-def keep_distributed_groups_between_engines() -> None:
-    """In-process engines of one process share its distributed groups (world
-    size 1: vLLM reuses the groups a first engine initialised), and
-    ``EngineCore.shutdown`` destroys them (``cleanup_dist_env_and_memory``),
-    under every engine still running: the next step of the session's shared
-    ``base`` engine would fail in vLLM's ``get_pp_group``. Tests keep
-    engines side by side, so here a shutdown frees the engine's memory and
-    leaves the groups. Only once vLLM's engine module is loaded: no engine
-    exists before, and a run of unit tests does not import vLLM for this."""
+def in_process_engines_side_by_side() -> None:
+    """Makes vLLM's in-process engine fit a test process that keeps several
+    engines at once and changes environment variables between them.
+
+    - ``EngineCore.shutdown`` destroys the process's distributed groups
+      (``cleanup_dist_env_and_memory``), which every other in-process engine
+      still uses (world size 1: vLLM reuses the groups a first engine set
+      up); the next step of the session's ``base`` engine would fail in
+      ``get_pp_group``. Here a shutdown frees the engine's memory, resets
+      vLLM's environment cache and leaves the groups.
+    - ``EngineCore.__init__`` turns on vLLM's cache of environment variables
+      for the whole process, so a variable a later test sets (a tensor
+      parallel engine's cores, ``VLLM_USE_V2_MODEL_RUNNER``) would read as it
+      was. Here the cache stays off.
+
+    Only once vLLM's engine module is loaded: no engine exists before, and a
+    run of unit tests does not import vLLM for this."""
     import sys
 
     core = sys.modules.get("vllm.v1.engine.core")
-    if core is None or getattr(core.cleanup_dist_env_and_memory, "keeps_groups", False):
+    if core is None:
+        return
+    from vllm import envs
+
+    envs.disable_envs_cache()
+    if getattr(core.cleanup_dist_env_and_memory, "keeps_groups", False):
         return
 
     def free_memory_keep_groups(shutdown_ray: bool = False) -> None:
+        envs.disable_envs_cache()
         gc.unfreeze()
         gc.collect()
 
     free_memory_keep_groups.keeps_groups = True
     core.cleanup_dist_env_and_memory = free_memory_keep_groups
+    core.enable_envs_cache = lambda: None
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    keep_distributed_groups_between_engines()
+    in_process_engines_side_by_side()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item):
-    keep_distributed_groups_between_engines()
+    in_process_engines_side_by_side()
 
 
 @contextlib.contextmanager
