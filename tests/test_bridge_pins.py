@@ -220,16 +220,19 @@ def test_cpu_linears_keep_32_kernels_per_token_count():
 # ------------------------------------------------------------ the patch list
 def test_every_patch_targets_vllm_and_names_its_pin():
     """Each patch's target exists in this vLLM (or, for an attribute we add,
-    exists only as ours) and its pin test is in this module."""
+    exists only as ours) and its pin test is in this module, or for a fix to
+    vLLM's CPU build in tests/test_bridge_pins_cpu.py."""
     import vllm_plugins
+    from tests import test_bridge_pins_cpu
     from vllm_plugins.bridge.patching import _MISSING
     from vllm_plugins.patches import PATCHES, RELIED_ON, vllm_names
 
     vllm_plugins.register()
-    here = globals()
+    pin_modules = {"tests/test_bridge_pins.py": globals(),
+                   "tests/test_bridge_pins_cpu.py": vars(test_bridge_pins_cpu)}
     for patch in PATCHES:
         file, _, test = patch.pin.partition("::")
-        assert file == "tests/test_bridge_pins.py" and callable(here.get(test)), patch
+        assert file in pin_modules and callable(pin_modules[file].get(test)), patch
         if patch.when is None or patch.when():
             assert patch.is_applied(), patch.name
         else:
@@ -240,53 +243,6 @@ def test_every_patch_targets_vllm_and_names_its_pin():
         for part in qualname.split("."):
             obj = getattr(obj, part)
     assert len(set(vllm_names())) == len(vllm_names())
-
-
-def test_cpu_expand_batch_to_tokens_fix():
-    """Without Triton, vLLM's CPU expand kernel leaves float32 and int32
-    outputs uninitialised; our replacement spreads per-request values over
-    the draft rows exactly. The first half fails the day vLLM fixes it, and
-    the patch can go."""
-    import torch
-    from vllm.utils import cpu_triton_utils
-
-    from vllm_plugins.bridge.cpu_fixes import replace_expand_batch_to_tokens
-
-    assert hasattr(cpu_triton_utils, "_expand_kernel_impl")
-    src = inspect.getsource(cpu_triton_utils._expand_kernel_impl)
-    assert "int64" in src or "long()" in src
-    expand = replace_expand_batch_to_tokens(None)
-    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
-    got = expand(torch.tensor([0.8, 0.3, 0.0]), cu, 5, replace_from=0, replace_to=1)
-    assert got.dtype == torch.float32
-    assert got.tolist() == pytest.approx([0.8, 0.8, 1.0, 1.0, 1.0])
-    got = expand(torch.tensor([3, 9, 7], dtype=torch.int32), cu, 5)
-    assert got.dtype == torch.int32 and got.tolist() == [3, 3, 7, 7, 7]
-
-
-def test_cpu_kernel_scan_survives_numba():
-    """vLLM's CPU build rebinds Triton kernels at each worker start by
-    reading ``vars()`` of every module global; llvmlite's ``ffi.lib`` answers
-    ``__dict__`` with a function wrapper. With the builtin ``vars`` the scan
-    raises once numba is imported (the first half fails the day vLLM fixes
-    it, and the patch can go); with ours it finishes."""
-    import llvmlite.binding.ffi  # noqa: F401  (what importing numba loads)
-    from vllm.triton_utils import dispatcher
-
-    from vllm_plugins.bridge.cpu_fixes import add_kernel_scan_vars
-
-    assert "vars(value).get(" in inspect.getsource(dispatcher._rebind_kernels)
-    ours = dispatcher.__dict__.pop("vars", None)
-    try:
-        with pytest.raises(AttributeError, match="get"):
-            dispatcher._rebind_kernels([])
-        dispatcher.vars = add_kernel_scan_vars(None)
-        dispatcher._rebind_kernels([])  # nothing to rebind: a scan only
-    finally:
-        if ours is None:
-            dispatcher.__dict__.pop("vars", None)
-        else:
-            dispatcher.vars = ours
 
 
 def _names_vllm_probes_on_drafters() -> set[str]:

@@ -16,6 +16,7 @@ from vllm_plugins.bridge.patching import Patch
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _PINS = "tests/test_bridge_pins.py::"
+_CPU_PINS = "tests/test_bridge_pins_cpu.py::"
 
 PATCHES: tuple[Patch, ...] = (
     Patch("config.speculative_method",
@@ -144,13 +145,13 @@ PATCHES: tuple[Patch, ...] = (
           "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
           "vLLM's CPU build without Triton leaves per-request sampling "
           "parameters uninitialised on draft rows",
-          _PINS + "test_cpu_expand_batch_to_tokens_fix",
+          _CPU_PINS + "test_cpu_expand_batch_to_tokens_fix",
           cpu_fixes.replace_expand_batch_to_tokens, when=cpu_fixes.no_triton),
     Patch("cpu.kernel_scan_vars", "vllm.triton_utils.dispatcher:vars",
           "vLLM's CPU build scans every module for Triton kernels to rebind "
           "and fails on llvmlite's objects once numba is imported, so an "
           "engine built in a process that loaded our proposers would not start",
-          _PINS + "test_cpu_kernel_scan_survives_numba",
+          _CPU_PINS + "test_cpu_kernel_scan_survives_numba",
           cpu_fixes.add_kernel_scan_vars, when=cpu_fixes.no_triton, adds=True),
 )
 

@@ -1,8 +1,9 @@
 """The one mechanism by which this package changes vLLM.
 
 A ``Patch`` names one vLLM attribute (``module:Qualname.attr``), says why we
-replace it and which pin test in tests/test_bridge_pins.py covers the vLLM
-code it relies on, and builds the replacement from the original. ``apply``
+replace it and which pin test in tests/test_bridge_pins.py (for fixes to
+vLLM's CPU build, tests/test_bridge_pins_cpu.py) covers the vLLM code it
+relies on, and builds the replacement from the original. ``apply``
 is idempotent per patch and refuses a second, different patch of the same
 attribute: two wrappers of one function are how plugins silently undo each
 other.
@@ -27,7 +28,7 @@ class Patch:
     name: str
     target: str  # "vllm.module.path:Class.attr" or "vllm.module.path:function"
     why: str
-    pin: str  # the test in tests/test_bridge_pins.py that pins what we rely on
+    pin: str  # the test in tests/test_bridge_pins*.py that pins what we rely on
     # original attribute (None where ``adds``) -> the replacement
     build: Callable[[Any], Any]
     # The patch applies only where this holds (checked at apply time).
