@@ -38,6 +38,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_plugins.kernels.cache_layout import cpu_cache_views
+from vllm_plugins.kernels.kv_move import move_kv
+from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
+                                                 tree_attention_planned)
+from vllm_plugins.tree import acceptance
 from vllm_plugins.tree.draft import ancestor_mask, depths, validate
 
 logger = logging.getLogger(__name__)
@@ -262,8 +267,6 @@ def plan_attention(step: TreeStep, impl, layer, attn_metadata, block_size: int,
     other requests only when its metadata is plain causal; otherwise it runs
     over every row and tree rows are overwritten (exact, at twice their
     cost)."""
-    from vllm_plugins.kernels.tree_attention import TreeAttentionPlan, request_attention
-
     group = impl.num_heads // impl.num_kv_heads
     tree_plan = TreeAttentionPlan([])
     packed = 0
@@ -324,9 +327,6 @@ def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Ten
     tree requests' rows by ancestry over the paged cache vLLM just wrote,
     the other requests' rows by ``vllm_attention(query, metadata, output)``
     (vLLM's own forward) over them alone."""
-    from vllm_plugins.kernels.cache_layout import cpu_cache_views
-    from vllm_plugins.kernels.tree_attention import tree_attention_planned
-
     if attn_metadata.num_actual_tokens != step.num_tokens:
         raise RuntimeError(f"tree step planned for {step.num_tokens} tokens, attention "
                            f"runs {attn_metadata.num_actual_tokens}")
@@ -409,8 +409,6 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
     vLLM's own processing of those rows (temperature, top-k, top-p:
     ``apply_sampling_constraints``), each seeded request with its own
     generator (``sampling_metadata.generators``, keyed by batch index)."""
-    from vllm_plugins.tree import acceptance
-
     reqs = step.requests
     starts = acceptance.row_starts([r.tokens for r in reqs])
     out: list = [None] * len(reqs)
@@ -473,9 +471,6 @@ def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
 
 def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
     """Every attention layer's K/V from src slots to dst slots (CPU layout)."""
-    from vllm_plugins.kernels.cache_layout import cpu_cache_views
-    from vllm_plugins.kernels.kv_move import move_kv
-
     if not src:
         return
     seen = set()
