@@ -1,3 +1,5 @@
+import pytest
+
 from vllm_plugins.bench.report import Tally, markdown, plot
 
 
@@ -222,3 +224,29 @@ def test_queue_units_are_even_and_static_batches_unchanged():
     assert in_flight is None and [len(u) for u in units] == [16, 10]
     units, in_flight = _units(list(range(5)), 1, 2)
     assert in_flight is None and [len(u) for u in units] == [1] * 5
+
+
+def test_step_costs_groups_by_count_and_what_was_verified():
+    from vllm_plugins.bench.step_costs import (CHAIN, NONE, TREE, StepRecord, parse_args,
+                                               summarize, table, verified_shape)
+
+    assert verified_shape([-1, 0, 0], 0) == NONE
+    assert verified_shape(None, 3) == CHAIN
+    assert verified_shape([-1, 0, 0], 2) == CHAIN      # the verified prefix is a chain
+    assert verified_shape([-1, 0, 0], 3) == TREE
+    records = [StepRecord(CHAIN, 1, NONE, 0.100, 0.0), StepRecord(TREE, 1, NONE, 0.102, 0.0),
+               StepRecord(CHAIN, 4, CHAIN, 0.120, 0.0), StepRecord(CHAIN, 4, CHAIN, 0.130, 0.0),
+               StepRecord(CHAIN, 4, CHAIN, 0.500, 0.0), StepRecord(TREE, 4, TREE, 0.140, 0.0),
+               StepRecord(TREE, 4, TREE, 0.150, 0.0), StepRecord(TREE, 4, TREE, 0.145, 0.0),
+               StepRecord(TREE, 9, TREE, 0.200, 0.0)]
+    rows = {r["tokens"]: r for r in summarize(records)}
+    assert rows[1]["none_steps"] == 2 and abs(rows[1]["none_ms"] - 101.0) < 1e-9
+    assert rows[4]["chain_steps"] == 3 and abs(rows[4]["chain_ms"] - 130.0) < 1e-9  # median
+    assert abs(rows[4]["tree_ms"] - 145.0) < 1e-9
+    assert abs(rows[4]["tree_extra_ms"] - 15.0) < 1e-9
+    assert rows[9]["tree_extra_ms"] is None and rows[9]["chain_ms"] is None
+    text = table(list(rows.values()), min_steps=2)
+    assert "| 4 |  | 3, 130.0 | 3, 145.0 | 15.0 |" in text
+    assert "| 9 |" not in text                          # one step: below min_steps
+    with pytest.raises(SystemExit):
+        parse_args(["--nodes", "0"])
