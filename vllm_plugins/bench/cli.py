@@ -223,7 +223,10 @@ def main(argv=None) -> int:
                                f"max_tokens={args.max_tokens}")
         write(args.out, f"bench_b{size}" if len(sizes) > 1 else "bench", rows,
               heading, {"args": vars(args), "engine_stats": stats,
-                        "host_load": loads[size]})
+                        "host_load": loads[size],
+                        # per method, each unit's seconds in run order: any
+                        # two methods' paired ratio (report.ratio_ci)
+                        "unit_seconds": times})
     if len(sizes) > 1 or args.aa:
         _write_summary(args, model, all_rows, summary, controllers, loads)
     elif controllers:
