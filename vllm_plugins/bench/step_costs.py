@@ -14,7 +14,8 @@ verified: nothing, a chain, or a tree.
     python -m vllm_plugins.bench.step_costs --nodes 8 --prompts 6 --max-tokens 128
 
 A tree step's own cost is the tree median less the chain median at the same
-token count. Token Recycling offers fewer nodes where its tables know less,
+token count, to within how far the two engines' steps without drafts lie
+apart (printed below the table). Token Recycling offers fewer nodes where its tables know less,
 so both engines see a spread of counts up to ``--nodes + 1``. The engines run
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is what lets
 the steps be read here; on a GPU the same command shows what a token and a
@@ -172,13 +173,22 @@ def main(argv=None) -> int:
     rows = summarize(records)
     propose = {s: 1e3 * statistics.median(r.propose_seconds for r in records if r.engine == s)
                for s in (CHAIN, TREE) if any(r.engine == s for r in records)}
+    plain = {s: 1e3 * statistics.median(r.seconds for r in records
+                                        if r.engine == s and r.verified == NONE)
+             for s in (CHAIN, TREE) if any(r.engine == s and r.verified == NONE
+                                           for r in records)}
     print(f"Token Recycling, {args.nodes} nodes a step, {len(prompts)} prompts, batch 1; "
           "median step time by token count:\n")
     print(table(rows, args.min_steps))
-    print("\nproposer, median ms a step: " + ", ".join(f"{s} {v:.2f}" for s, v in propose.items()))
+    # The two engines' steps without drafts: how far apart two engines of one
+    # process run, the resolution of the tree - chain column.
+    print("\nno drafts, median ms a step: " + ", ".join(f"{s} engine {v:.1f}"
+                                                      for s, v in plain.items()))
+    print("proposer, median ms a step: " + ", ".join(f"{s} {v:.2f}" for s, v in propose.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "rows": rows, "propose_ms": propose,
+                       "no_draft_ms": plain,
                        "records": [r.__dict__ for r in records]}, f, indent=1)
     return 0
 
