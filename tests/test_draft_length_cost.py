@@ -100,6 +100,34 @@ def test_cost_model_fits_the_cost_of_a_verifying_step():
     assert off.coefficients()["verify_step_s"] == 0.0
 
 
+def test_context_term_keeps_long_prompts_out_of_the_slope():
+    """Batch 1: prompts of 100 to 1,500 tokens; the long ones copy and draft
+    more. Each committed token costs 0.04 ms, a verified one 7 ms, a
+    verifying step 3 ms more. Without the context term the slope takes up
+    the long prompts' dearer steps; with it the slope and the step terms are
+    the curve's, and the line answers for the context being decided."""
+    rng = np.random.default_rng(3)
+    models = {f: StepCostModel(cost_features=f, cost_window=512)
+              for f in ("tokens+batch", "tokens+batch+context")}
+    for _ in range(600):
+        context = float(rng.integers(100, 1500))
+        drafts = int(rng.binomial(6, context / 1500))
+        tokens = 1 + drafts
+        t = 0.090 + 0.00004 * context + 0.007 * tokens + (0.003 if drafts else 0.0)
+        for m in models.values():
+            m.observe(tokens, 1, t * (1 + 0.01 * rng.normal()), drafts > 0, context=context)
+    plain, with_context = (models[f].coefficients() for f in models)
+    assert "per_context_token_s" not in plain
+    assert abs(with_context["per_token_s"] - 0.007) < 0.0007, with_context
+    assert abs(with_context["per_context_token_s"] - 0.00004) < 0.000005, with_context
+    assert abs(with_context["verify_step_s"] - 0.003) < 0.0015, with_context
+    assert plain["per_token_s"] > 0.009, plain          # the long prompts' cost, as slope
+    m = models["tokens+batch+context"]
+    m.context_now = 1000.0
+    a, b = m.line(1)
+    assert abs(a + b - (0.090 + 0.04 + 0.007)) < 0.003
+
+
 def test_recent_sizes_is_an_lru_of_token_counts():
     r = RecentSizes(3)
     assert [r.touch(n) for n in (16, 32, 16, 48, 64)] == [True, True, False, True, True]

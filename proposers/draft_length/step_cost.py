@@ -11,7 +11,7 @@ from vllm_plugins.options import choice, flag, integer, number
 
 # Options of the goodput policy's step-time model.
 COST_OPTIONS = (
-    choice("cost_features", "tokens+batch", ("tokens", "tokens+batch")),
+    choice("cost_features", "tokens+batch", ("tokens", "tokens+batch", "tokens+batch+context")),
     flag("verify_step_cost", True),
     flag("tree_step_cost", True),
     integer("shape_cache", 32, 0, 4096,
@@ -25,9 +25,16 @@ COST_OPTIONS = (
 class StepCostModel:
     """Engine step time as a linear function, fitted online.
 
-        t(step) ~= a + b * tokens (+ c * batch)
+        t(step) ~= a + b * tokens (+ c * batch) (+ d * context)
                    (+ verify_step_s * verifies) (+ new_shape_s * new_shape)
                    (+ tree_step_s * tree), all coefficients >= 0
+
+    ``context`` (``cost_features: "tokens+batch+context"``) is the step's
+    committed tokens over all its requests: attention reads them all, so a
+    step over long prompts costs more at any token count. Without it, the
+    steps of long prompts (which copy, and so draft more) and of short ones
+    (which rest) differ in the intercept as well as in tokens, and the
+    slope takes up the difference.
 
     Three step-level terms (docs/draft_length.md):
 
@@ -71,20 +78,23 @@ class StepCostModel:
                  warmup: int = 16, prior_token_cost: float = 0.001,
                  verify_step_cost: bool = True, shape_cache: int = 32,
                  tree_step_cost: bool = True, **_: Any):
-        self.use_batch = cost_features == "tokens+batch"
+        self.use_batch = cost_features in ("tokens+batch", "tokens+batch+context")
+        self.use_context = cost_features == "tokens+batch+context"
+        self.context_now = 0.0      # the step being decided: its committed tokens
         self.use_verify_step = verify_step_cost
         self.use_tree_step = tree_step_cost
         self.use_shape = shape_cache > 0
         self.window = cost_window
         self.warmup = warmup
         self.prior_token_cost = prior_token_cost
-        self._x = np.zeros((cost_window, 5))   # tokens, batch, verifies, new_shape, tree
+        # tokens, batch, verifies, new_shape, tree, context
+        self._x = np.zeros((cost_window, 6))
         self._y = np.zeros(cost_window)
         self._len = 0
         self._pos = 0
         self.num_observed = 0
         self._dirty = False
-        self._coef = (1.0, prior_token_cost, 0.0)
+        self._coef = (1.0, prior_token_cost, 0.0, 0.0)
         self.verify_step_s = 0.0       # extra fixed cost of a verifying step
         self.new_shape_s = 0.0         # extra cost of a step with a new token count
         self.tree_step_s = 0.0         # extra cost of a step that verifies a tree
@@ -95,10 +105,12 @@ class StepCostModel:
         self.slope_se = float("inf")   # standard error of b (s/token)
 
     def observe(self, tokens: float, batch: float, seconds: float,
-                verifies: bool = True, new_shape: bool = False, tree: bool = False) -> None:
+                verifies: bool = True, new_shape: bool = False, tree: bool = False,
+                context: float = 0.0) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
-        self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape), float(tree))
+        self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape), float(tree),
+                              float(context))
         self._y[self._pos] = seconds
         self._pos = (self._pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
@@ -127,15 +139,17 @@ class StepCostModel:
 
     def line(self, batch: int) -> tuple[float, float]:
         """(intercept, slope) of t(tokens) for a step of ``batch`` requests
-        that verifies no draft; one that does costs ``verify_step_s`` more."""
+        over ``context_now`` committed tokens that verifies no draft; one
+        that does costs ``verify_step_s`` more."""
         self._refit()
-        a, b, c = self._coef
-        return a + c * batch, b
+        a, b, c, d = self._coef
+        return a + c * batch + d * self.context_now, b
 
     def coefficients(self) -> dict:
         self._refit()
-        a, b, c = self._coef
-        return {"intercept_s": a, "per_token_s": b, "per_request_s": c,
+        a, b, c, d = self._coef
+        out = {"per_context_token_s": d} if self.use_context else {}
+        return {"intercept_s": a, "per_token_s": b, "per_request_s": c, **out,
                 "verify_step_s": self.verify_step_s, "new_shape_s": self.new_shape_s,
                 "tree_step_s": self.tree_step_s,
                 "warm": self._warm, "observations": self.num_observed,
@@ -165,6 +179,10 @@ class StepCostModel:
         if self.use_batch and _independent(tok, bat):
             cols.append(bat)
             names.append("c")
+        if self.use_context and _independent(tok, self._x[:n, 5]) \
+                and ("c" not in names or _independent(bat, self._x[:n, 5])):
+            cols.append(self._x[:n, 5])
+            names.append("d")
         y = y.copy()
         for col, name, used in ((2, "verify_step_s", self.use_verify_step),
                                 (3, "new_shape_s", self.use_shape),
@@ -198,7 +216,7 @@ class StepCostModel:
         except np.linalg.LinAlgError:
             self.slope_se = float("inf")
         got = dict(zip(names, (float(v) for v in coef)))
-        self._coef = (got["a"], got["b"], got.get("c", 0.0))
+        self._coef = (got["a"], got["b"], got.get("c", 0.0), got.get("d", 0.0))
         self.verify_step_s = got.get("verify_step_s", self.verify_step_s)
         self.new_shape_s = got.get("new_shape_s", self.new_shape_s)
         self.tree_step_s = got.get("tree_step_s", self.tree_step_s)
@@ -208,7 +226,7 @@ class StepCostModel:
     def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Least squares with all coefficients >= 0, exact: the non-negative
         optimum is the plain fit on its own support, so the best of the
-        plain fits on every subset of the <= 6 columns that come out
+        plain fits on every subset of the <= 7 columns that come out
         non-negative is it. All subsets are solved at once on the p x p
         normal equations of max-scaled columns (SSE = y.y - c.h): one pass
         over the window, then one batched p x p solve (one ``lstsq`` per
