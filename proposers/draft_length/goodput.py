@@ -153,11 +153,13 @@ class GoodputController(EstimatingController):
             # The engine waits for the proposer as well as for the forward.
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
             verifies = any(r.num_draft > 0 for r in ctx.requests)
-            context = sum(len(r.context) - len(r.accepted) for r in ctx.requests)
+            context = sum(len(r.context) - len(r.accepted) for r in ctx.requests) \
+                if self.cost.use_context else 0
             self.cost.observe(float(tokens), float(len(ctx.requests)), float(seconds),
                               verifies, new_shape, self._verified_tree(ctx), float(context))
-        # The step being decided reads every token its requests hold now.
-        self.cost.context_now = float(sum(len(r.context) for r in ctx.requests))
+        if self.cost.use_context:
+            # The step being decided reads every token its requests hold now.
+            self.cost.context_now = float(sum(len(r.context) for r in ctx.requests))
 
     def _verified_tree(self, ctx: StepContext) -> bool:
         """Whether the step that ran verified a draft tree (not a chain)."""

@@ -15,8 +15,9 @@ verified: nothing, a chain, or a tree.
 
 A tree step's own cost is the tree median less the chain median at the same
 token count, to within how far the two engines' steps without drafts lie
-apart (printed below the table). Token Recycling offers fewer nodes where its tables know less,
-so both engines see a spread of counts up to ``--nodes + 1``. The engines run
+apart (printed below the table). Token Recycling offers fewer nodes where
+its tables know less, so both engines see a spread of counts up to
+``--nodes + 1``. The engines run
 in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is what lets
 the steps be read here; on a GPU the same command shows what a token and a
 tree cost there.
@@ -48,10 +49,12 @@ def verified_shape(parents, num_draft: int) -> str:
     the number vLLM verified (a prefix): as the bridge decides."""
     if num_draft <= 0:
         return NONE
+    from vllm_plugins.bridge.tree_step import chain_length
+
     if parents is None:
         return CHAIN
-    head = [int(p) for p in parents[:num_draft]]
-    return CHAIN if head == list(range(-1, len(head) - 1)) else TREE
+    head = parents[:num_draft]
+    return CHAIN if chain_length(head) == len(head) else TREE
 
 
 def summarize(records: list[StepRecord]) -> list[dict]:
