@@ -161,3 +161,41 @@ def test_goodput_cost_counts_the_proposers_own_time_and_reports_our_work():
     stats = p.controller.stats()
     assert stats["own_ms_per_step"]["1"][1] == pytest.approx(1e3 * awake, abs=1e-3)
     assert 0 < stats["engine_gap_ms"] < 10   # 10 ms gaps, then one idle wait
+
+
+def test_goodput_prices_each_step_at_its_requests_context():
+    """With ``cost_features: "tokens+batch+context"`` the policy hands the
+    cost model each timed step's committed tokens (the context its forward
+    read: the requests' tokens before this step's output), and decides the
+    next step at its requests' context now. Two requests, 400 and 900
+    tokens long, each emitting 3 tokens a step; the step time follows the
+    curve of ``test_context_term_keeps_long_prompts_out_of_the_slope``."""
+    from vllm_plugins.step_context import RequestStep
+
+    c = make_policy("goodput", cost_features="tokens+batch+context", warmup=4, rest=False)
+    plain = make_policy("goodput", warmup=4, rest=False)
+    lengths = np.array([400, 900])
+    seconds = None
+    for step in range(24):
+        num_draft = 2 + step % 3          # what the step that just ran verified
+        reqs = [RequestStep(req_id=f"r{i}", accepted=np.full(3, DRAFT_TOKEN, np.int64),
+                            context=np.zeros(n, np.int64), num_prompt_tokens=100,
+                            num_draft=num_draft, verified_tokens=np.zeros(num_draft + 1, np.int64),
+                            topk_ids=None, topk_logprobs=None, temperature=0.0)
+                for i, n in enumerate(lengths)]
+        for policy in (c, plain):
+            ctx = StepContext(requests=reqs, max_draft=D, last_step_seconds=seconds,
+                              last_step_tokens=2 * (num_draft + 1), last_propose_seconds=0.0)
+            policy.decide(ctx, Drafts([[DRAFT_TOKEN] * D] * 2), policy.observe(ctx))
+        if seconds is not None:
+            # The step that just ran read the committed tokens before its output.
+            assert c.cost.num_observed == step
+            assert c.cost._x[(step - 1) % c.cost.window, 5] == (lengths - 3).sum()
+        assert c.cost.context_now == lengths.sum()     # the step being decided
+        assert plain.cost.context_now == 0.0 and not plain.cost._x[:, 5].any()
+        # The next step: it reads these tokens and verifies the next count.
+        seconds = 0.09 + 0.00004 * lengths.sum() + 0.007 * 2 * (3 + (step + 1) % 3)
+        lengths = lengths + 3
+    got = c.cost.coefficients()
+    assert got["per_context_token_s"] == pytest.approx(0.00004, rel=0.05), got
+    assert got["per_token_s"] == pytest.approx(0.007, rel=0.05), got
