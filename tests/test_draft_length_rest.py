@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from vllm_plugins.proposers.draft_length.rest import ModeRates, _mode_record
@@ -154,3 +155,27 @@ def test_mode_rates_measure_rest_awake_and_the_models_bias():
     assert rest_own == pytest.approx(0.0005) and 0.004 < awake_own < 0.006
     assert m.own_seconds(8) is None
     assert m.own_table()["16"] == [0.5, pytest.approx(1e3 * awake_own, abs=1e-3)]
+
+
+def test_goodput_wakes_to_a_new_request_whose_drafts_pay():
+    """Batch 1: a long request whose drafts are almost never accepted (the
+    measured rates say rest: an awake step costs 4 ms more), then a new one
+    whose drafts are accepted 80% of the time. The new request's first
+    decisions read the old acceptance and keep nothing; resting must not
+    then hide the new acceptance for a whole doubled rest. The rest that
+    follows starts short, and the cut draft observed on its first step,
+    accepted, ends it."""
+    waits = []
+    for seed in range(12):
+        p = CountingProposer(can_rest=True)
+        c = p.controller
+        w = World(c, batch=1, cost=(0.09, 0.007, 0.0, 0.003), noise=0.08, seed=seed,
+                  proposer=p, awake_cost=0.004)
+        w.run(0.05, 300)
+        assert c.rest.steps > 100, c.rest.steps
+        w.finished.add(w.ids[0])
+        w.ids[0] = "next"
+        w.n[:] = w.m[:] = w.bonus[:] = 0
+        ks = w.run(0.8, 40)[:, 0]
+        waits.append(int(np.argmax(ks > 0)) if (ks > 0).any() else len(ks))
+    assert max(waits) <= 8, waits

@@ -207,6 +207,7 @@ class EstimatingController(DraftLengthController):
         self.slots.add("cut_token", (), np.int64, -1)
         self.slots.add("cut_at", (), np.int64, -1)
         self.cut_observed = 0
+        self.cut_hits = 0       # observed cut drafts the target would have accepted
         self.prefix = (PrefixCalibrator(self.slots, max_draft)
                        if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
@@ -300,6 +301,7 @@ class EstimatingController(DraftLengthController):
                         dtype=np.int64)
         hit = peek & (last == cut_token)
         self.cut_observed += int(peek.sum())
+        self.cut_hits += int(hit.sum())
         return n + peek, m + hit
 
     # ------------------------------------------------------------- decide

@@ -138,10 +138,14 @@ class Rest:
     where the measured rate of resting beats the rule's corrected
     prediction (``beats_drafting``), the next ``_REST_MIN`` steps skip the
     proposer entirely; each rest that follows straight on the previous one
-    doubles, up to ``_REST_MAX`` steps. A rest ends early when half the
-    batch it began with is gone, or half the batch is new: that changes
-    what a draft is worth. (At batch 1, every new request: the last one's
-    worthless drafts say nothing of the next one's.)
+    doubles, up to ``_REST_MAX`` steps. A rest ends early, and the next
+    one starts short, when half the batch it began with is gone, or half
+    the batch is new: that changes what a draft is worth. (At batch 1,
+    every new request: the last one's worthless drafts say nothing of the
+    next one's.) It also ends when the drafts cut just before it, observed
+    for free on its first step, were accepted more often than the estimate
+    foresaw (``wake``, ``GoodputController._observe_resting``): acceptance
+    has risen, and resting cannot see it again.
     """
 
     _REST_AFTER = 3
@@ -181,6 +185,12 @@ class Rest:
     def pending(self) -> bool:
         return self.left > 0
 
+    def wake(self) -> None:
+        """End the rest after this step, and start the next one short: what
+        it rested on has changed."""
+        self.left = 0
+        self.length = self._REST_MIN
+
     def start_step(self, ctx: StepContext, step: int) -> bool:
         """Whether this step rests; measures the step before it."""
         self._close_record(ctx)
@@ -195,7 +205,7 @@ class Rest:
                 self._record = _mode_record(ctx, True, float("nan"))
                 self.promised = float("nan")
                 return True
-            self.left = 0
+            self.wake()   # the batch it rested on is gone
         if was_resting:
             self.awake_since = step
         # This step verified what the previous decision kept: its prediction.

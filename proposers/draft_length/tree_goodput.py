@@ -188,10 +188,10 @@ class TreeGoodputController(GoodputController):
         return self._verified_a_tree
 
     def _observe_resting(self, ctx: StepContext) -> Observation:
+        observation = super()._observe_resting(ctx)   # learns the trees it observed
         for r in ctx.requests:
             self._sent.pop(r.req_id, None)
-        self._verified_a_tree = False
-        return super()._observe_resting(ctx)
+        return observation
 
     # ------------------------------------------------------------- decide
     def shape(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> Drafts:
