@@ -449,3 +449,29 @@ def test_token_recycling_trees_under_goodput_decode_as_the_target_does():
         assert out == w[:len(out)]
     trees = p.controller.stats()["trees"]
     assert trees["rows"] > 0 and trees["mean_nodes_kept"] > 0 and trees["nodes_observed"] > 0
+
+
+@pytest.mark.parametrize("accepted", [True, False])
+def test_a_rest_ends_when_a_root_child_it_cut_would_have_been_accepted(accepted):
+    """A tree decision that keeps no node, and a rest from the next step:
+    the rest's first step still learns the root's children (the target's
+    own token after the root). One of them carrying it, where the tree
+    foresaw about 0.1, ends the rest; none carrying it does not."""
+    c = tree_controller()
+    c.can_rest = True
+    for i in range(32):                      # each verified token costs a step
+        tokens = 1 + i % 4
+        c.cost.observe(tokens, 1, 0.05 * tokens + (0.01 if tokens > 1 else 0.0), tokens > 1)
+    tokens, parents = [5, 6, 7], [-1, -1, 0]
+    conf = np.array([0.05, 0.05, 0.5], np.float32)
+    ctx = StepContext([_step("a", [1, 2], [2], 0)], max_draft=8)
+    out = c.shape(ctx, Drafts([tokens], None, [conf], [parents]), c.observe(ctx))
+    assert out.tokens[0] == [] and "a" in c._sent
+    c.rest.left = c.rest.length = 8          # the decision began a rest
+    c.rest.batch_ids = frozenset({"a"})
+    emitted = [6 if accepted else 42]
+    before = c.tree_nodes_observed
+    obs = c.observe(StepContext([_step("a", [1, 2] + emitted, emitted, 0)], max_draft=8))
+    assert obs.resting and c.tree_nodes_observed == before + 2   # both root children
+    assert (c.rest.left == 0) == accepted, c.rest.left
+    assert c.rest.length == (c.rest._REST_MIN if accepted else 8)

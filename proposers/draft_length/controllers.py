@@ -207,7 +207,10 @@ class EstimatingController(DraftLengthController):
         self.slots.add("cut_token", (), np.int64, -1)
         self.slots.add("cut_at", (), np.int64, -1)
         self.cut_observed = 0
-        self.cut_hits = 0       # observed cut drafts the target would have accepted
+        # Drafts observed for free (cut, or tree nodes left unverified): how
+        # many, how many were accepted, and the sum of p and of p (1 - p)
+        # over them, p their acceptance as the estimate foresaw it.
+        self.free_outcomes = np.zeros(4)
         self.prefix = (PrefixCalibrator(self.slots, max_draft)
                        if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
@@ -301,8 +304,14 @@ class EstimatingController(DraftLengthController):
                         dtype=np.int64)
         hit = peek & (last == cut_token)
         self.cut_observed += int(peek.sum())
-        self.cut_hits += int(hit.sum())
+        at = np.clip(cut_at[peek], 0, self.max_draft - 1)
+        self._free_outcome(hit[peek], self.estimator.probs(rows[peek])[np.arange(len(at)), at])
         return n + peek, m + hit
+
+    def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
+        p = np.clip(np.asarray(foreseen, np.float64), 0.0, 1.0)
+        self.free_outcomes += (len(p), float(np.sum(accepted)), float(p.sum()),
+                               float(np.sum(p * (1.0 - p))))
 
     # ------------------------------------------------------------- decide
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,

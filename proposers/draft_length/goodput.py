@@ -120,19 +120,18 @@ class GoodputController(EstimatingController):
 
     def _observe_resting(self, ctx: StepContext) -> Observation:
         """A resting step: no draft was verified (the step before kept
-        none), but the first draft that decision cut is observed for free
-        (``_observe_cut``). Learning it is what lets a request whose
-        acceptance rose wake up to draft: more such drafts accepted than
-        the estimate foresaw (beyond two standard deviations; at batch 1,
-        one accepted where the estimate gave it under 0.2) ends the rest.
-        Then the step's time, and per-request state that waits for a
-        verification is dropped."""
+        none), but the first draft that decision cut (a tree: the root's
+        children) is observed for free (``_observe_cut``). Learning it is
+        what lets a request whose acceptance rose wake up to draft: more
+        such drafts accepted than the estimate foresaw (beyond two standard
+        deviations; at batch 1, one accepted where the estimate gave it
+        under 0.2) ends the rest. Then the step's time, and per-request
+        state that waits for a verification is dropped."""
         rows = self.slots.slots([r.req_id for r in ctx.requests]) if ctx.requests else None
-        foreseen = float(self.estimator.probs(rows)[:, 0].mean()) if rows is not None else 0.0
-        observed, hits = self.cut_observed, self.cut_hits
+        before = self.free_outcomes.copy()
         self._learn(ctx)
-        observed, hits = self.cut_observed - observed, self.cut_hits - hits
-        if hits > observed * foreseen + 2.0 * math.sqrt(observed * foreseen * (1.0 - foreseen)):
+        _, hits, foreseen, var = self.free_outcomes - before
+        if hits > foreseen + 2.0 * math.sqrt(var):
             self.rest.wake()
         self._observe_cost(ctx)
         if rows is not None:

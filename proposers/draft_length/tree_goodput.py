@@ -145,6 +145,7 @@ class TreeGoodputController(GoodputController):
         reqs = ctx.requests
         trees = np.zeros(len(reqs), dtype=bool)
         r_idx, j_idx, conf, outcome, q_used, q_outcome = [], [], [], [], [], []
+        roots, roots_q = [], []   # per tree: a root child accepted, and its foreseen q
         for i, r in enumerate(reqs):
             sent = self._sent.pop(r.req_id, None)
             if sent is None:
@@ -161,6 +162,10 @@ class TreeGoodputController(GoodputController):
                 continue
             observed, accepted = select.node_outcomes(sent.tokens, sent.parents, path,
                                                       emitted, sent.depth)
+            first = sent.depth == 1      # the root's children: always observed
+            if first.any():
+                roots.append(bool(accepted[first].any()))
+                roots_q.append(min(1.0, float(sent.q_raw[first].sum())))
             idx = np.nonzero(observed)[0]
             r_idx.append(np.full(len(idx), i, np.int64))
             j_idx.append(sent.depth[idx] - 1)
@@ -176,6 +181,8 @@ class TreeGoodputController(GoodputController):
             x = np.where(observed, accepted, on_path)
             q_used.append(sent.q_raw[known])
             q_outcome.append(x[known].astype(np.float64))
+        if roots:
+            self._free_outcome(np.array(roots), np.array(roots_q))
         if not trees.any():
             return None, None
         if self.path_calibration is not None and q_used:
