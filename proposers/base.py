@@ -194,7 +194,14 @@ class PluginProposer:
         name = self.options["draft_length"]
         if name == "fixed":
             return None
-        return make_controller(name, self.options["draft_length_options"], self.max_draft)
+        options = self.options["draft_length_options"]
+        if name == "goodput" and self.options.get("draft_shape") == "tree":
+            # Trees grow where the context copies, over long prompts whose
+            # steps cost more at any token count: without the context term
+            # the tree-step and per-token costs take that up
+            # (docs/draft_length.md, "Trees").
+            options = {"cost_features": "tokens+batch+context", **(options or {})}
+        return make_controller(name, options, self.max_draft)
 
 
 def verification_depends_on_token(sampling_params) -> bool:

@@ -342,6 +342,23 @@ def test_token_recycling_tree_defaults_to_the_tree_policy_and_refuses_chain_read
     TokenRecyclingProposer(options={"draft_length": "acceptance"}, vocab_size=64)
 
 
+def test_trees_price_steps_at_their_context_unless_told_otherwise():
+    """Goodput over trees fits the step cost with the context term by
+    default (docs/draft_length.md, "Trees"); over chains without it; an
+    explicit ``cost_features`` wins either way."""
+    from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
+
+    def context_term(**options):
+        return TokenRecyclingProposer(options=options, vocab_size=64).controller.cost.use_context
+
+    assert context_term(draft_shape="tree")
+    assert not context_term()
+    assert not context_term(draft_shape="tree",
+                            draft_length_options={"cost_features": "tokens+batch"})
+    assert context_term(draft_length_options={"cost_features": "tokens+batch+context",
+                                              "explore": 0.0})
+
+
 def test_token_recycling_learns_the_tree_it_sent():
     """Under the tree policy the proposer records the nodes sent (a subset
     of its tree, re-laid), so the next step's verified rows are read
