@@ -195,7 +195,7 @@ class PluginProposer:
         if name == "fixed":
             return None
         options = self.options["draft_length_options"]
-        if name == "goodput" and self.options.get("draft_shape") == "tree":
+        if name == "goodput" and self.SHAPES_TREES and self.options.get("draft_shape") == "tree":
             # Trees grow where the context copies, over long prompts whose
             # steps cost more at any token count: without the context term
             # the tree-step and per-token costs take that up
