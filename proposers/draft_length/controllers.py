@@ -207,10 +207,12 @@ class EstimatingController(DraftLengthController):
         self.slots.add("cut_token", (), np.int64, -1)
         self.slots.add("cut_at", (), np.int64, -1)
         self.cut_observed = 0
-        # Drafts observed for free (cut, or tree nodes left unverified): how
-        # many, how many were accepted, and the sum of p and of p (1 - p)
-        # over them, p their acceptance as the estimate foresaw it.
+        # Drafts observed for free (cut, or tree nodes left unverified) while
+        # ``counting_free`` (goodput's resting steps): how many, how many
+        # were accepted, and the sum of p and of p (1 - p) over them, p
+        # their acceptance as the estimate foresaw it.
         self.free_outcomes = np.zeros(4)
+        self.counting_free = False
         self.prefix = (PrefixCalibrator(self.slots, max_draft)
                        if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
@@ -304,8 +306,10 @@ class EstimatingController(DraftLengthController):
                         dtype=np.int64)
         hit = peek & (last == cut_token)
         self.cut_observed += int(peek.sum())
-        at = np.clip(cut_at[peek], 0, self.max_draft - 1)
-        self._free_outcome(hit[peek], self.estimator.probs(rows[peek])[np.arange(len(at)), at])
+        if self.counting_free:
+            at = np.clip(cut_at[peek], 0, self.max_draft - 1)
+            self._free_outcome(hit[peek],
+                               self.estimator.probs(rows[peek])[np.arange(len(at)), at])
         return n + peek, m + hit
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:

@@ -128,9 +128,13 @@ class GoodputController(EstimatingController):
         under 0.2) ends the rest. Then the step's time, and per-request
         state that waits for a verification is dropped."""
         rows = self.slots.slots([r.req_id for r in ctx.requests]) if ctx.requests else None
-        before = self.free_outcomes.copy()
-        self._learn(ctx)
-        _, hits, foreseen, var = self.free_outcomes - before
+        self.free_outcomes[:] = 0.0
+        self.counting_free = True
+        try:
+            self._learn(ctx)
+        finally:
+            self.counting_free = False
+        _, hits, foreseen, var = self.free_outcomes
         if hits > foreseen + 2.0 * math.sqrt(var):
             self.rest.wake()
         self._observe_cost(ctx)

@@ -163,7 +163,7 @@ class TreeGoodputController(GoodputController):
             observed, accepted = select.node_outcomes(sent.tokens, sent.parents, path,
                                                       emitted, sent.depth)
             first = sent.depth == 1      # the root's children: always observed
-            if first.any():
+            if self.counting_free and first.any():
                 roots.append(bool(accepted[first].any()))
                 roots_q.append(min(1.0, float(sent.q_raw[first].sum())))
             idx = np.nonzero(observed)[0]
@@ -193,12 +193,6 @@ class TreeGoodputController(GoodputController):
 
     def _verified_tree(self, ctx: StepContext) -> bool:
         return self._verified_a_tree
-
-    def _observe_resting(self, ctx: StepContext) -> Observation:
-        observation = super()._observe_resting(ctx)   # learns the trees it observed
-        for r in ctx.requests:
-            self._sent.pop(r.req_id, None)
-        return observation
 
     # ------------------------------------------------------------- decide
     def shape(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> Drafts:
