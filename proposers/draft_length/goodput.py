@@ -127,11 +127,10 @@ class GoodputController(EstimatingController):
         deviations; at batch 1, one accepted where the estimate gave it
         under 0.2) ends the rest. Then the step's time, and per-request
         state that waits for a verification is dropped."""
-        rows = self.slots.slots([r.req_id for r in ctx.requests]) if ctx.requests else None
         self.free_outcomes[:] = 0.0
         self.counting_free = True
         try:
-            self._learn(ctx)
+            rows = self._learn(ctx).rows
         finally:
             self.counting_free = False
         _, hits, foreseen, var = self.free_outcomes

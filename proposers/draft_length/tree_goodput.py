@@ -162,8 +162,8 @@ class TreeGoodputController(GoodputController):
                 continue
             observed, accepted = select.node_outcomes(sent.tokens, sent.parents, path,
                                                       emitted, sent.depth)
-            first = sent.depth == 1      # the root's children: always observed
-            if self.counting_free and first.any():
+            if self.counting_free:
+                first = sent.depth == 1      # the root's children: always observed
                 roots.append(bool(accepted[first].any()))
                 roots_q.append(min(1.0, float(sent.q_raw[first].sum())))
             idx = np.nonzero(observed)[0]
