@@ -102,6 +102,97 @@ def move_kv_triton(key_cache: torch.Tensor, value_cache: torch.Tensor,
         )
 
 
+def _move_layer_rows_kernel_fn(
+    src_ptrs, dst_ptrs, src_index_ptr, dst_index_ptr, dtype_ptr,
+    src_block_size, dst_block_size,
+    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    d_kb, d_ko, d_kh, d_kd, d_vb, d_vo, d_vh, d_vd,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    """One program per (row, kv head, layer): like ``_move_rows_kernel_fn``,
+    with each layer's key and value base addresses read from the int64
+    tables ``src_ptrs`` and ``dst_ptrs`` (``[layers, 2]``), so one launch
+    serves every layer; ``dtype_ptr`` only names the element type."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    layer = tl.program_id(2)
+    ty = tl.pointer_type(dtype_ptr.dtype.element_ty)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    src = tl.load(src_index_ptr + row).to(tl.int64)
+    dst = tl.load(dst_index_ptr + row).to(tl.int64)
+    sb, so = src // src_block_size, src % src_block_size
+    db, do = dst // dst_block_size, dst % dst_block_size
+    src_k = tl.load(src_ptrs + layer * 2).to(ty)
+    src_v = tl.load(src_ptrs + layer * 2 + 1).to(ty)
+    dst_k = tl.load(dst_ptrs + layer * 2).to(ty)
+    dst_v = tl.load(dst_ptrs + layer * 2 + 1).to(ty)
+    k = tl.load(src_k + sb * s_kb + so * s_ko + head * s_kh + d * s_kd, mask=d_ok)
+    v = tl.load(src_v + sb * s_vb + so * s_vo + head * s_vh + d * s_vd, mask=d_ok)
+    tl.store(dst_k + db * d_kb + do * d_ko + head * d_kh + d * d_kd, k, mask=d_ok)
+    tl.store(dst_v + db * d_vb + do * d_vo + head * d_vh + d * d_vd, v, mask=d_ok)
+
+
+_move_layer_rows_kernel = jit(_move_layer_rows_kernel_fn)
+
+
+def move_kv_layers_triton(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                          src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """``move_kv_triton`` for every layer at once: two launches in all
+    (sources into a staging buffer, then into the destinations) instead of
+    two per layer, whose host-side cost a step would otherwise pay once per
+    layer. Every layer's key cache must have the first one's shape, strides
+    and dtype, and likewise its value cache."""
+    if not key_caches:
+        return
+    first_k, first_v = key_caches[0], value_caches[0]
+    for k, v in zip(key_caches, value_caches):
+        _check(k, v, src_slots, dst_slots)
+        if k.shape != first_k.shape or k.stride() != first_k.stride() \
+                or v.stride() != first_v.stride() or k.dtype != first_k.dtype \
+                or v.dtype != first_k.dtype:
+            raise ValueError("every layer's key and value caches must share strides and "
+                             f"dtype, got {k.stride()} {v.stride()} {k.dtype} {v.dtype} "
+                             f"against {first_k.stride()} {first_v.stride()} {first_k.dtype}")
+    count = src_slots.numel()
+    if count == 0:
+        return
+    layers = len(key_caches)
+    _, block_size, num_kv_heads, head_size = first_k.shape
+    device = first_k.device
+    staged = first_k.new_empty(layers, 2, count, 1, num_kv_heads, head_size)
+    cache_ptrs = torch.tensor([[k.data_ptr(), v.data_ptr()]
+                               for k, v in zip(key_caches, value_caches)], dtype=torch.int64)
+    staged_ptrs = torch.tensor([[staged[i, 0].data_ptr(), staged[i, 1].data_ptr()]
+                                for i in range(layers)], dtype=torch.int64)
+    cache_ptrs = cache_ptrs.to(device, non_blocking=True)
+    staged_ptrs = staged_ptrs.to(device, non_blocking=True)
+    rows = torch.arange(count, dtype=torch.int32, device=device)
+    staged_strides = staged[0, 0].stride() * 2  # keys' and values' (the same)
+    cache_strides = first_k.stride() + first_v.stride()
+    head_pad = next_power_of_2(head_size)
+    for src_ptrs, dst_ptrs, src_index, dst_index, src_bs, dst_bs, src_st, dst_st in (
+            (cache_ptrs, staged_ptrs, src_slots, rows, block_size, 1, cache_strides,
+             staged_strides),
+            (staged_ptrs, cache_ptrs, rows, dst_slots, 1, block_size, staged_strides,
+             cache_strides)):
+        _move_layer_rows_kernel[(count, num_kv_heads, layers)](
+            src_ptrs, dst_ptrs, src_index, dst_index, first_k, src_bs, dst_bs,
+            *src_st, *dst_st, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
+        )
+
+
+def move_kv_layers(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor],
+                   src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+    """Every layer's move: one pair of launches on CUDA with Triton, else the
+    twin layer by layer."""
+    if key_caches and key_caches[0].is_cuda and triton_usable(key_caches[0]):
+        move_kv_layers_triton(key_caches, value_caches, src_slots, dst_slots)
+        return
+    for key_cache, value_cache in zip(key_caches, value_caches):
+        move_kv_torch(key_cache, value_cache, src_slots, dst_slots)
+
+
 def move_kv(key_cache: torch.Tensor, value_cache: torch.Tensor,
             src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """The Triton kernel for CUDA caches when Triton is installed, else the

@@ -160,29 +160,38 @@ def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
 
 def _tree_attention_kernel_fn(
     out_ptr, q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, query_start_ptr, mask_ptr,
-    scale, block_size,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    scale, block_size, num_splits,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_kb, stride_ko, stride_kh, stride_kd,
     stride_vb, stride_vo, stride_vh, stride_vd,
     stride_bt, stride_mt, stride_mj,
+    stride_ps, stride_pt, stride_ph,
     GROUP: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
-    """One program per (request, block of BLOCK_Q step tokens, kv head): its
-    BLOCK_M rows are those tokens times the kv head's GROUP query heads, so
-    every K/V tile is loaded once for all of them. Online softmax in float32
-    over the request's positions in tiles of TILE, each position's block looked
-    up in the block table (any cache block size)."""
+    """One program per (request, block of BLOCK_Q step tokens, kv head, key
+    split): its BLOCK_M rows are those tokens times the kv head's GROUP query
+    heads, so every K/V tile is loaded once for all of them. Online softmax
+    in float32 over the split's share of the request's positions in tiles of
+    TILE, each position's block looked up in the block table (any cache block
+    size). With SPLIT, each split leaves its running max, sum and unscaled
+    values in the part buffers (float32 ``[splits, tokens, heads(, D)]``)
+    for ``_combine_splits``; without, the one split writes ``out``."""
     req = tl.program_id(0)
     q_block = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    kv_head = tl.program_id(2) // num_splits
+    split = tl.program_id(2) % num_splits
     q_start = tl.load(query_start_ptr + req)
     query_len = tl.load(query_start_ptr + req + 1) - q_start
     if q_block * BLOCK_Q < query_len:
         seq_len = tl.load(seq_lens_ptr + req)
         committed = seq_len - query_len
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), TILE) * TILE
+        split_start = split * split_len
+        split_end = tl.minimum(split_start + split_len, seq_len)
 
         rows = tl.arange(0, BLOCK_M)
         q_local = q_block * BLOCK_Q + rows // GROUP
@@ -199,9 +208,9 @@ def _tree_attention_kernel_fn(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
 
-        for tile_start in range(0, seq_len, TILE):
+        for tile_start in range(split_start, split_end, TILE):
             pos = tile_start + tl.arange(0, TILE)
-            pos_ok = pos < seq_len
+            pos_ok = pos < split_end
             block = tl.load(block_table_ptr + req * stride_bt + pos // block_size,
                             mask=pos_ok, other=0).to(tl.int64)
             offset = pos % block_size
@@ -217,7 +226,7 @@ def _tree_attention_kernel_fn(
             in_step = (step_pos >= 0) & pos_ok
             seen = tl.load(mask_ptr + token[:, None] * stride_mt + step_pos[None, :] * stride_mj,
                            mask=row_ok[:, None] & in_step[None, :], other=0)
-            allowed = (pos < committed)[None, :] | (seen != 0)
+            allowed = ((pos < committed)[None, :] | (seen != 0)) & pos_ok[None, :]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
@@ -233,14 +242,92 @@ def _tree_attention_kernel_fn(
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
-        l_i = tl.where(l_i > 0, l_i, 1.0)
-        acc = acc / l_i[:, None]
-        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-                 + d[None, :] * stride_od,
-                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if SPLIT:
+            part = split * stride_ps + token * stride_pt + head * stride_ph
+            tl.store(part_max_ptr + part, m_i, mask=row_ok)
+            tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+        else:
+            l_i = tl.where(l_i > 0, l_i, 1.0)
+            acc = acc / l_i[:, None]
+            tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                     + d[None, :] * stride_od,
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _combine_splits_fn(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_ptr, num_reqs, num_splits,
+    stride_ot, stride_oh, stride_od, stride_ps, stride_pt, stride_ph,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """One program per (token, head): the splits' partial softmaxes merged
+    (each rescaled to the largest running max), for tokens inside a request."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    first = tl.load(query_start_ptr)
+    last = tl.load(query_start_ptr + num_reqs)
+    if (token >= first) & (token < last):
+        sp = tl.arange(0, SPLITS_PAD)
+        sp_ok = sp < num_splits
+        d = tl.arange(0, HEAD_PAD)
+        d_ok = d < HEAD_SIZE
+        part = sp * stride_ps + token * stride_pt + head * stride_ph
+        m = tl.load(part_max_ptr + part, mask=sp_ok, other=-1.0e30)
+        l = tl.load(part_sum_ptr + part, mask=sp_ok, other=0.0)
+        acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :],
+                      mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+        weight = tl.exp(m - tl.max(m, 0))
+        total = tl.sum(weight * l, 0)
+        total = tl.where(total > 0, total, 1.0)
+        result = tl.sum(weight[:, None] * acc, 0) / total
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
+                 result.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 _tree_attention_kernel = jit(_tree_attention_kernel_fn)
+_combine_splits = jit(_combine_splits_fn)
+
+# Programs per multiprocessor that the automatic key split aims for, and
+# the fewest key tiles a split keeps: a split's merge is a second launch,
+# which short contexts do not repay (docs/benchmarks.md, tree kernels on a
+# GPU).
+_PROGRAMS_PER_SM = 4
+_MIN_TILES_PER_SPLIT = 16
+_sm_counts: dict = {}
+
+
+def _multiprocessors(device: torch.device) -> int:
+    if device not in _sm_counts:
+        _sm_counts[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_counts[device]
+
+
+def launch_shape(max_query_len: int, group: int, rows: int | None = None,
+                 num_warps: int | None = None) -> tuple[int, int, int | None]:
+    """(step tokens, rows, warps) per program. Rows are the tokens of one
+    block times the group's query heads: at least 16 (tl.dot's smallest
+    tile), at most ``rows``. By default 128 rows on 8 warps once the step's
+    rows fill them (each K/V tile is then loaded once for twice the rows;
+    docs/benchmarks.md has the launch table), else 64 on Triton's default
+    warps."""
+    if rows is None:
+        rows = 128 if max_query_len * group > 64 else 64
+        if num_warps is None and rows == 128:
+            num_warps = 8
+    block_q = max(1, min(next_power_of_2(max_query_len), max(rows // group, 1)))
+    return block_q, max(16, next_power_of_2(block_q * group)), num_warps
+
+
+def auto_splits(programs: int, max_seq_len: int, tile: int, device: torch.device) -> int:
+    """How many ways to split each request's keys: enough programs to fill
+    the GPU a few times over (a batch-1 step has few tokens and kv heads, so
+    one program per head would leave most multiprocessors idle over a long
+    context), each split long enough to pay for the merge. One on the CPU."""
+    if device.type != "cuda":
+        return 1
+    wanted = -(-_PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1))
+    return max(1, min(wanted, max_seq_len // (_MIN_TILES_PER_SPLIT * tile)))
 
 
 def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
@@ -248,15 +335,25 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                           tree_mask: torch.Tensor, scale: float,
                           out: torch.Tensor | None = None, *,
-                          max_query_len: int | None = None, tile: int = 32) -> torch.Tensor:
+                          max_query_len: int | None = None, max_seq_len: int | None = None,
+                          tile: int = 32, splits: int | None = None,
+                          rows: int | None = None, num_warps: int | None = None,
+                          num_stages: int | None = None) -> torch.Tensor:
     """The Triton kernel; same contract as ``tree_attention_torch``.
-    ``max_query_len`` (the step's longest request) saves a device sync when
-    the caller knows it; ``tile`` is the number of key positions per
-    iteration (a power of two >= 16)."""
+    ``max_query_len`` and ``max_seq_len`` (the step's longest request and
+    sequence) save a device sync each when the caller knows them; ``tile``
+    is the number of key positions per iteration (a power of two >= 16);
+    ``splits`` the number of ways each request's keys are split across
+    programs (None: ``auto_splits``), merged by a second kernel; ``rows``
+    the most query rows (tokens times the group's heads) a program holds
+    and ``num_warps`` its warps (None: ``launch_shape``); ``num_stages``
+    goes to Triton (None: its default)."""
     check_inputs(query, key_cache, value_cache, block_table, seq_lens,
                  query_start_loc, tree_mask, out)
     if tile < 16 or tile & (tile - 1):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits must be at least 1, got {splits}")
     num_tokens, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -267,22 +364,40 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if num_reqs else 0
     if num_reqs == 0 or max_query_len == 0:
         return out
-    # Rows per program: the step tokens of one block times the group's heads,
-    # at least 16 (tl.dot's smallest tile) and about 64 when the tree is large.
-    block_q = max(1, min(next_power_of_2(max_query_len), max(64 // group, 1)))
-    block_m = max(16, next_power_of_2(block_q * group))
+    block_q, block_m, num_warps = launch_shape(max_query_len, group, rows, num_warps)
     head_pad = max(16, next_power_of_2(head_size))
+    q_blocks = -(-max_query_len // block_q)
+    if splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        splits = auto_splits(num_reqs * q_blocks * num_kv_heads, max_seq_len, tile, query.device)
+    if splits > 1:
+        part_acc = torch.empty(splits, num_tokens, num_heads, head_pad, dtype=torch.float32,
+                               device=query.device)
+        part_max = torch.empty(splits, num_tokens, num_heads, dtype=torch.float32,
+                               device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:  # never read: the kernel writes out directly
+        part_acc = part_max = part_sum = out
     mask_bytes = tree_mask.view(torch.uint8)
-    grid = (num_reqs, -(-max_query_len // block_q), num_kv_heads)
-    _tree_attention_kernel[grid](
+    _tree_attention_kernel[(num_reqs, q_blocks, num_kv_heads * splits)](
         out, query, key_cache, value_cache, block_table, seq_lens, query_start_loc, mask_bytes,
-        float(scale), block_size,
+        part_acc, part_max, part_sum,
+        float(scale), block_size, splits,
         *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
-        block_table.stride(0), *mask_bytes.stride(),
+        block_table.stride(0), *mask_bytes.stride(), *part_max.stride()[:3],
         GROUP=group, HEAD_SIZE=head_size, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_Q=block_q, TILE=tile,
-        IEEE=query.dtype == torch.float32,
+        IEEE=query.dtype == torch.float32, SPLIT=splits > 1,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages))
+           if v is not None},
     )
+    if splits > 1:
+        _combine_splits[(num_tokens, num_heads)](
+            out, part_acc, part_max, part_sum, query_start_loc, num_reqs, splits,
+            *out.stride(), *part_max.stride(),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, SPLITS_PAD=next_power_of_2(splits),
+        )
     return out
 
 

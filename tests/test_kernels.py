@@ -40,13 +40,19 @@ def ancestry(parents: list[int]) -> torch.Tensor:
 
 
 def make_caches(layout: str, num_blocks: int, block_size: int, num_kv_heads: int,
-                head_size: int, dtype: torch.dtype, gen: torch.Generator):
+                head_size: int, dtype: torch.dtype, gen: torch.Generator,
+                device: str = "cpu"):
+    """(key_cache, value_cache) as the kernels read them: ``contiguous``
+    tensors, the halves of vLLM's CUDA ``flash`` cache ``[2, num_blocks,
+    block_size, kv_heads, head_size]``, or views of its ``cpu`` cache."""
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
     if layout == "contiguous":
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        return (torch.randn(shape, generator=gen).to(dtype),
-                torch.randn(shape, generator=gen).to(dtype))
+        return (torch.randn(shape, generator=gen).to(device, dtype),
+                torch.randn(shape, generator=gen).to(device, dtype))
+    if layout == "flash":
+        return torch.randn(2, *shape, generator=gen).to(device, dtype).unbind(0)
     kv = torch.randn(num_blocks, num_kv_heads, block_size, 2 * head_size, generator=gen)
-    return cpu_cache_views(kv.to(dtype))
+    return cpu_cache_views(kv.to(device, dtype))
 
 
 def make_batch(gen: torch.Generator, block_size: int, query_lens: list[int],
@@ -110,13 +116,16 @@ def dense_reference(query, key_cache, value_cache, batch, scale):
 
 def case(seed: int, layout: str, block_size: int, num_heads: int, num_kv_heads: int,
          head_size: int, dtype=torch.float32, shape: str = "tree",
-         query_lens=(7, 1, 13), committed=(40, 75, 0)):
+         query_lens=(7, 1, 13), committed=(40, 75, 0), device: str = "cpu"):
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(gen, block_size, list(query_lens), list(committed), shape)
     key_cache, value_cache = make_caches(layout, batch["num_blocks"], block_size,
-                                         num_kv_heads, head_size, dtype, gen)
+                                         num_kv_heads, head_size, dtype, gen, device)
     query = torch.randn(int(batch["query_start_loc"][-1]), num_heads, head_size,
-                        generator=gen).to(dtype)
+                        generator=gen).to(device, dtype)
+    if device != "cpu":
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                 for k, v in batch.items()}
     return query, key_cache, value_cache, batch
 
 
@@ -132,7 +141,8 @@ def causal_like(batch) -> torch.Tensor:
     starts = batch["query_start_loc"].tolist()
     for b in range(len(starts) - 1):
         n = starts[b + 1] - starts[b]
-        mask[starts[b]:starts[b + 1], :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        mask[starts[b]:starts[b + 1], :n] = torch.ones(n, n, dtype=torch.bool,
+                                                      device=mask.device).tril()
     return mask
 
 
@@ -287,6 +297,28 @@ def check_triton_small_tile_and_wrong_mask():
     assert (wrong - twin).abs().max() > 1e-2
 
 
+def check_triton_key_splits():
+    """Each request's keys split across programs and merged by the second
+    kernel: splits that end inside the committed prefix, inside the step's
+    tokens, and splits left empty by a short request; rows outside every
+    request (padding) keep what ``out`` held."""
+    query, key_cache, value_cache, batch = case(22, "cpu", 16, 8, 2, 64,
+                                                query_lens=(9, 1, 20), committed=(100, 3, 45))
+    pad = 3
+    query = torch.cat([query, torch.randn(pad, *query.shape[1:])])
+    mask = torch.cat([batch["tree_mask"], torch.zeros(pad, batch["tree_mask"].shape[1],
+                                                      dtype=torch.bool)])
+    twin = run(ta.tree_attention_torch, query, key_cache, value_cache, batch, 0.125,
+               tree_mask=mask)
+    for splits in (2, 3, 7):
+        out = torch.full_like(query, 7.0)
+        ta.tree_attention_triton(query, key_cache, value_cache, batch["block_table"],
+                                 batch["seq_lens"], batch["query_start_loc"], mask, 0.125,
+                                 out=out, tile=16, splits=splits)
+        torch.testing.assert_close(out[:-pad], twin[:-pad], atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[-pad:], torch.full_like(out[-pad:], 7.0))
+
+
 def check_dispatch_takes_the_twin_on_cpu():
     """Even with Triton able to run (interpreted), CPU tensors get the twin."""
     query, key_cache, value_cache, batch = case(21, "contiguous", 16, 4, 2, 64)
@@ -326,7 +358,8 @@ def move_reference(cache: torch.Tensor, src, dst) -> torch.Tensor:
     return out
 
 
-def move_case(seed, layout, block_size, kv_heads, head_size, dtype=torch.float32):
+def move_case(seed, layout, block_size, kv_heads, head_size, dtype=torch.float32,
+              device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     batch = make_batch(gen, block_size, [24, 5, 17], [block_size - 3, 50, 0])
     src, dst = [], []
@@ -337,13 +370,17 @@ def move_case(seed, layout, block_size, kv_heads, head_size, dtype=torch.float32
         src += s
         dst += d
     keys, values = make_caches(layout, batch["num_blocks"], block_size, kv_heads, head_size,
-                               dtype, gen)
-    # Pairs in random order: a kernel that writes as it reads (no staging)
-    # then overwrites sources it has not read yet, even when run serially.
-    order = torch.randperm(len(src), generator=gen).tolist()
-    src, dst = [src[i] for i in order], [dst[i] for i in order]
-    assert not torch.equal(serial_copy(keys, src, dst), move_reference(keys, src, dst))
-    return keys, values, src, dst
+                               dtype, gen, device)
+    # Pairs in an order where a kernel that writes as it reads (no staging)
+    # overwrites sources it has not read yet, even when run serially: the
+    # first of some random orders that does.
+    expect = move_reference(keys, src, dst)
+    for _ in range(100):
+        order = torch.randperm(len(src), generator=gen).tolist()
+        shuffled_src, shuffled_dst = [src[i] for i in order], [dst[i] for i in order]
+        if not torch.equal(serial_copy(keys, shuffled_src, shuffled_dst), expect):
+            return keys, values, shuffled_src, shuffled_dst
+    raise AssertionError("no order of the moves clobbers a source: the case tests nothing")
 
 
 def serial_copy(cache: torch.Tensor, src, dst) -> torch.Tensor:
@@ -363,11 +400,14 @@ MOVE_CASES = [
 ]
 
 
-def check_move_kv(impl, layout, block_size, kv_heads, head_size):
-    keys, values, src, dst = move_case(30 + block_size, layout, block_size, kv_heads, head_size)
+def check_move_kv(impl, layout, block_size, kv_heads, head_size, dtype=torch.float32,
+                  device="cpu"):
+    keys, values, src, dst = move_case(30 + block_size, layout, block_size, kv_heads, head_size,
+                                       dtype, device)
     expect_k, expect_v = move_reference(keys, src, dst), move_reference(values, src, dst)
     fn = kv_move.move_kv_torch if impl == "torch" else kv_move.move_kv_triton
-    fn(keys, values, torch.tensor(src, dtype=torch.int32), torch.tensor(dst, dtype=torch.int64))
+    fn(keys, values, torch.tensor(src, dtype=torch.int32, device=device),
+       torch.tensor(dst, dtype=torch.int64, device=device))
     assert torch.equal(keys, expect_k) and torch.equal(values, expect_v)
 
 
@@ -400,6 +440,33 @@ def check_move_kv_dispatch_and_empty():
     assert torch.equal(keys, before)
 
 
+def check_move_kv_layers(impl="triton", layout="cpu", dtype=torch.float32, device="cpu"):
+    """Every layer moved by one pair of launches: each layer's caches end as
+    the reference leaves them (the layers hold different data)."""
+    keys, values, expect = [], [], []
+    for layer in range(3):
+        k, v, src, dst = move_case(70, layout, 32, 2, 64, dtype, device)
+        k.add_(layer)
+        v.sub_(layer)
+        keys.append(k)
+        values.append(v)
+        expect.append((move_reference(k, src, dst), move_reference(v, src, dst)))
+    fn = kv_move.move_kv_layers if impl == "dispatch" else kv_move.move_kv_layers_triton
+    fn(keys, values, torch.tensor(src, device=device), torch.tensor(dst, device=device))
+    for k, v, (ek, ev) in zip(keys, values, expect):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_move_kv_layers_refuses_mixed_layers():
+    keys = [torch.zeros(2, 16, 2, 64), torch.zeros(2, 16, 2, 64, dtype=torch.bfloat16)]
+    with pytest.raises(ValueError, match="share strides and dtype"):
+        kv_move.move_kv_layers_triton(keys, keys, torch.tensor([1]), torch.tensor([0]))
+
+
+def test_move_kv_layers_twin_on_cpu():
+    check_move_kv_layers("dispatch")
+
+
 # ---------------------------------------------------------------- the interpreted run
 
 def interpreted_checks() -> dict:
@@ -407,10 +474,13 @@ def interpreted_checks() -> dict:
     checks = {f"attention[{'-'.join(map(str, c))}]": (lambda c=c: check_triton_attention(*c))
               for c in TRITON_CASES}
     checks["attention_small_tile_and_wrong_mask"] = check_triton_small_tile_and_wrong_mask
+    checks["attention_key_splits"] = check_triton_key_splits
     checks["attention_dispatch"] = check_dispatch_takes_the_twin_on_cpu
     checks.update({f"move_kv[{'-'.join(map(str, c))}]": (lambda c=c: check_move_kv("triton", *c))
                    for c in MOVE_CASES})
     checks["move_kv_dispatch_and_empty"] = check_move_kv_dispatch_and_empty
+    checks["move_kv_layers[cpu]"] = check_move_kv_layers
+    checks["move_kv_layers[flash]"] = lambda: check_move_kv_layers(layout="flash")
     return checks
 
 
@@ -440,3 +510,93 @@ def test_kernel_sizes_bench_times_the_twin():
     rows = measure_tree_attention([4, 8], context=40, repeats=2)
     assert [r["nodes"] for r in rows] == [4, 8]
     assert all(r["layer_us"] > 0 and r["step_ms"] == r["layer_us"] * 30 / 1e3 for r in rows)
+
+
+# ---------------------------------------------------------------- Triton, compiled on CUDA
+#
+# The same kernels compiled for a GPU, where bfloat16 is checked too (the
+# interpreter cannot), on model-sized heads, long contexts, wide trees and
+# many requests. Each kernel is compared with its twin run on the same CUDA
+# tensors and, in float32, with the float64 dense reference.
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="compiled Triton kernels need a CUDA device")
+
+CUDA_ATTENTION_CASES = [
+    # layout, block_size, heads, kv_heads, head_size, dtype, query_lens, committed
+    ("flash", 16, 32, 8, 128, "bfloat16", (81, 1, 33, 64), (1000, 4000, 17, 300)),
+    ("flash", 16, 32, 8, 128, "float16", (81, 7), (2047, 0)),
+    ("flash", 16, 32, 8, 128, "float32", (16, 81), (129, 700)),
+    ("flash", 32, 28, 4, 128, "bfloat16", (49, 12, 2), (513, 64, 3000)),
+    ("cpu", 32, 9, 3, 64, "bfloat16", (33, 5), (200, 31)),
+    ("contiguous", 16, 64, 8, 128, "bfloat16", (80,) * 8, (100, 200, 400, 800, 1600, 3200,
+                                                            50, 6400)),
+    ("flash", 64, 16, 16, 64, "bfloat16", (7, 64), (90, 10)),
+    ("flash", 16, 8, 1, 256, "bfloat16", (20, 3), (300, 40)),
+]
+
+
+def check_cuda_attention(layout, block_size, heads, kv_heads, head_size, dtype, query_lens,
+                         committed):
+    dtype = getattr(torch, dtype)
+    query, key_cache, value_cache, batch = case(
+        50 + block_size + heads, layout, block_size, heads, kv_heads, head_size, dtype,
+        query_lens=query_lens, committed=committed, device="cuda")
+    scale = head_size ** -0.5
+    twin = run(ta.tree_attention_torch, query, key_cache, value_cache, batch, scale)
+    kernel = run(ta.tree_attention_triton, query, key_cache, value_cache, batch, scale)
+    tol = 2e-5 if dtype == torch.float32 else (3e-3 if dtype == torch.float16 else 2e-2)
+    torch.testing.assert_close(kernel.float(), twin.float(), atol=tol, rtol=tol)
+    for launch in ({"splits": 1}, {"splits": 5, "tile": 16}, {"splits": 1, "tile": 64},
+                   {"rows": 64, "num_warps": 4}, {"rows": 128, "num_warps": 8, "tile": 64,
+                                                  "splits": 3}):
+        other = ta.tree_attention_triton(query, key_cache, value_cache, batch["block_table"],
+                                         batch["seq_lens"], batch["query_start_loc"],
+                                         batch["tree_mask"], scale, **launch)
+        torch.testing.assert_close(other.float(), twin.float(), atol=tol, rtol=tol)
+    if dtype == torch.float32:
+        cpu_batch = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        ref = dense_reference(query.cpu(), key_cache.cpu(), value_cache.cpu(), cpu_batch, scale)
+        torch.testing.assert_close(kernel.cpu().double(), ref, atol=2e-5, rtol=1e-4)
+    wrong = run(ta.tree_attention_triton, query, key_cache, value_cache, batch, scale,
+                tree_mask=causal_like(batch))
+    assert (wrong.float() - twin.float()).abs().max() > 10 * tol
+
+
+@needs_cuda
+@pytest.mark.parametrize("params", CUDA_ATTENTION_CASES,
+                         ids=["-".join(map(str, c[:6])) for c in CUDA_ATTENTION_CASES])
+def test_cuda_tree_attention_kernel_matches_twin(params):
+    check_cuda_attention(*params)
+
+
+@needs_cuda
+def test_cuda_dispatch_takes_the_kernels(monkeypatch):
+    """On CUDA tensors the dispatchers call the Triton kernels."""
+    called = []
+    attention, move = ta.tree_attention_triton, kv_move.move_kv_triton
+    monkeypatch.setattr(ta, "tree_attention_triton",
+                        lambda *a, **k: called.append("attention") or attention(*a, **k))
+    monkeypatch.setattr(kv_move, "move_kv_triton",
+                        lambda *a, **k: called.append("move") or move(*a, **k))
+    query, key_cache, value_cache, batch = case(60, "flash", 16, 8, 2, 64, torch.bfloat16,
+                                                device="cuda")
+    run(ta.tree_attention, query, key_cache, value_cache, batch, 0.125)
+    keys, values, src, dst = move_case(61, "flash", 16, 2, 64, torch.bfloat16, "cuda")
+    kv_move.move_kv(keys, values, torch.tensor(src, device="cuda"),
+                    torch.tensor(dst, device="cuda"))
+    assert called == ["attention", "move"]
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout,block_size,kv_heads,head_size,dtype", [
+    ("flash", 16, 8, 128, torch.bfloat16), ("flash", 32, 1, 64, torch.float16),
+    ("contiguous", 16, 4, 256, torch.float32)])
+def test_cuda_move_kv_kernel_matches_reference(layout, block_size, kv_heads, head_size, dtype):
+    check_move_kv("triton", layout, block_size, kv_heads, head_size, dtype, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("layout,dtype", [("flash", torch.bfloat16), ("cpu", torch.float16)])
+def test_cuda_move_kv_layers_kernel_matches_reference(layout, dtype):
+    check_move_kv_layers("dispatch", layout, dtype, "cuda")

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from vllm_plugins.kernels.cache_layout import cpu_cache_views
-from vllm_plugins.kernels.kv_move import move_kv
+from vllm_plugins.kernels.kv_move import move_kv_layers
 from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
                                                  tree_attention_planned)
 from vllm_plugins.tree import acceptance
@@ -470,15 +470,21 @@ def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
 
 
 def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
-    """Every attention layer's K/V from src slots to dst slots (CPU layout)."""
+    """Every attention layer's K/V from src slots to dst slots (CPU layout),
+    all layers in one call (``move_kv_layers``: one pair of launches on a
+    GPU)."""
     if not src:
         return
     seen = set()
-    s = torch.tensor(src, dtype=torch.int64)
-    d = torch.tensor(dst, dtype=torch.int64)
+    keys, values = [], []
     for cache in kv_caches:
         if cache is None or cache.data_ptr() in seen:
             continue  # layers sharing one cache move it once
         seen.add(cache.data_ptr())
         key, value = cpu_cache_views(cache)
-        move_kv(key, value, s.to(cache.device), d.to(cache.device))
+        keys.append(key)
+        values.append(value)
+    if keys:
+        device = keys[0].device
+        move_kv_layers(keys, values, torch.tensor(src, dtype=torch.int64, device=device),
+                       torch.tensor(dst, dtype=torch.int64, device=device))
