@@ -600,3 +600,12 @@ def test_cuda_move_kv_kernel_matches_reference(layout, block_size, kv_heads, hea
 @pytest.mark.parametrize("layout,dtype", [("flash", torch.bfloat16), ("cpu", torch.float16)])
 def test_cuda_move_kv_layers_kernel_matches_reference(layout, dtype):
     check_move_kv_layers("dispatch", layout, dtype, "cuda")
+
+
+def test_gpu_kernel_bench_says_it_needs_cuda():
+    from vllm_plugins.bench import tree_kernels_gpu
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA: the bench would run")
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        tree_kernels_gpu.main(["--tables", "move"])
