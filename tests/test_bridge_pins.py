@@ -2,6 +2,7 @@
 
 import inspect
 import pickle
+import re
 
 import pytest
 
@@ -388,6 +389,23 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
     assert rejection_sampler.PLACEHOLDER_TOKEN_ID == -1
     assert params(rejection_sampler.apply_sampling_constraints) == [
         "logits", "cu_num_draft_tokens", "sampling_metadata"]
+    # bridge/runner.py tree_sample: a step of tree requests only skips the
+    # rejection sampler (tree_step.empty_output stands in for its output),
+    # which is all _sample does with drafts besides async-scheduling updates.
+    from vllm.v1.outputs import SamplerOutput
+
+    assert [f.name for f in __import__("dataclasses").fields(SamplerOutput)] == [
+        "sampled_token_ids", "logprobs_tensors"]
+    sample = inspect.getsource(rejection_sampler.rejection_sample)
+    assert "(batch_size, max_spec_len + 1),\n        PLACEHOLDER_TOKEN_ID,\n" \
+        "        dtype=torch.int32," in sample
+    spec_part = inspect.getsource(GPUModelRunner._sample).split(
+        "if spec_decode_metadata is None:")[1]
+    calls = set(re.findall(r"self\.(\w+(?:\.\w+)*)\(", spec_part))
+    assert calls == {"sampler", "input_batch.update_async_spec_token_ids",
+                     "_get_draft_token_ids_cpu", "_get_spec_decode_draft_probs",
+                     "rejection_sampler"}, calls
+    assert "if self.use_async_scheduling and" in spec_part
     assert "self.kv_caches" in inspect.getsource(GPUModelRunner.initialize_kv_cache) \
         or "self.kv_caches" in inspect.getsource(GPUModelRunner)
 

@@ -210,6 +210,9 @@ def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
     assert stats["proposer"]["num_errors"] == 0, stats
     # Teeth: tree steps ran, paths were accepted off the chain's indices.
     assert stats["tree_steps"] > 0 and stats["kv_moved"] > 0, stats
+    # Both sampler paths ran: steps of trees only (batch 1; vLLM's sampler
+    # skipped) and steps beside chain requests (batch 4).
+    assert 0 < stats["tree_only_steps"] < stats["tree_steps"], stats
     assert stats["accepted"] > 0, stats
     for i, (g, w) in enumerate(zip(got4, reference["batch4"])):
         assert g == w, ("batch 4", i)

@@ -191,13 +191,21 @@ def wrap_sample(original):
 def tree_sample(runner, original, plan, logits, spec_decode_metadata):
     """vLLM samples every request (chains exactly as without trees); tree
     requests' rows are then replaced by tree acceptance, and their accepted
-    K/V moved to the slots chain decoding uses."""
+    K/V moved to the slots chain decoding uses. A step whose requests are
+    all trees skips vLLM's rejection sampler, whose every row acceptance
+    would overwrite."""
     num_draft = list(spec_decode_metadata.num_draft_tokens)
     starts = tree_step.request_rows(plan, num_draft)
     index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
                        for s, r in zip(starts, plan.requests)]).to(logits.device)
     tree_logits = logits.index_select(0, index).float()
-    out = original(runner, logits, spec_decode_metadata)
+    counters = state_of(runner).counters
+    if only_trees(runner, plan, num_draft):
+        out = tree_step.empty_output(len(num_draft), spec_decode_metadata.max_spec_len,
+                                     logits.device)
+        counters.tree_only_steps += 1
+    else:
+        out = original(runner, logits, spec_decode_metadata)
     params = [getattr(runner.requests.get(r.req_id), "sampling_params", None)
               for r in plan.requests]
     results = tree_step.accept(plan, params, tree_logits, num_draft,
@@ -209,11 +217,19 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
         src += s
         dst += d
     tree_step.move_accepted_kv(runner.kv_caches, src, dst)
-    counters = state_of(runner).counters
     counters.tree_steps += 1
     counters.tree_requests += len(plan.requests)
     counters.kv_moved += len(src)
     return out
+
+
+def only_trees(runner, plan, num_draft) -> bool:
+    """Whether vLLM's sampler has nothing to do this step: every request is
+    a tree request (so none asks for logprobs: ``tree_allowed``) and nothing
+    of the runner's async scheduling waits on the sampler's bookkeeping."""
+    return (len(plan.requests) == len(num_draft)
+            and not getattr(runner, "use_async_scheduling", False)
+            and runner.input_batch.sampling_metadata.max_num_logprobs is None)
 
 
 def wrap_propose(original):

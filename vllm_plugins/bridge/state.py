@@ -36,9 +36,11 @@ class StepCounters:
     drafted: int = 0
     accepted: int = 0
     tokens: int = 0
-    # Tree verification: steps with a tree request, tree requests verified,
-    # and accepted nodes whose K/V moved to a chain slot.
+    # Tree verification: steps with a tree request, those of tree requests
+    # only (vLLM's sampler skipped), tree requests verified, and accepted
+    # nodes whose K/V moved to a chain slot.
     tree_steps: int = 0
+    tree_only_steps: int = 0
     tree_requests: int = 0
     kv_moved: int = 0
 
@@ -55,8 +57,8 @@ class StepCounters:
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted,
                 "accepted": self.accepted, "tokens": self.tokens,
-                "tree_steps": self.tree_steps, "tree_requests": self.tree_requests,
-                "kv_moved": self.kv_moved}
+                "tree_steps": self.tree_steps, "tree_only_steps": self.tree_only_steps,
+                "tree_requests": self.tree_requests, "kv_moved": self.kv_moved}
 
 
 @dataclass

@@ -448,6 +448,18 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
     return out
 
 
+def empty_output(num_reqs: int, max_spec_len: int, device):
+    """vLLM's sampler output for a step of tree requests only, before
+    ``write_output`` fills it: the rejection sampler's [requests,
+    max_spec_len + 1] int32 token rows, all padding, and no logprobs."""
+    from vllm.v1.outputs import SamplerOutput
+
+    return SamplerOutput(
+        sampled_token_ids=torch.full((num_reqs, max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
+                                     dtype=torch.int32, device=device),
+        logprobs_tensors=None)
+
+
 def write_output(sampled_token_ids: torch.Tensor, step: TreeStep, results) -> None:
     """Tree requests' rows of vLLM's [requests, max_spec_len + 1] output:
     the emitted tokens, then padding."""
