@@ -50,6 +50,33 @@ def move_kv_torch(key_cache: torch.Tensor, value_cache: torch.Tensor,
         cache[dst_block, dst_offset] = rows
 
 
+def _copy_head_row_fn(
+    src_k, src_v, dst_k, dst_v, src_index_ptr, dst_index_ptr,
+    src_block_size, dst_block_size,
+    s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+    d_kb, d_ko, d_kh, d_kd, d_vb, d_vo, d_vh, d_vd,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):
+    """The program's row (axis 0) and kv head (axis 1): its key and value
+    from slot ``src_index[row]`` of the source caches to slot
+    ``dst_index[row]`` of the destination caches."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_PAD)
+    d_ok = d < HEAD_SIZE
+    src = tl.load(src_index_ptr + row).to(tl.int64)
+    dst = tl.load(dst_index_ptr + row).to(tl.int64)
+    sb, so = src // src_block_size, src % src_block_size
+    db, do = dst // dst_block_size, dst % dst_block_size
+    k = tl.load(src_k + sb * s_kb + so * s_ko + head * s_kh + d * s_kd, mask=d_ok)
+    v = tl.load(src_v + sb * s_vb + so * s_vo + head * s_vh + d * s_vd, mask=d_ok)
+    tl.store(dst_k + db * d_kb + do * d_ko + head * d_kh + d * d_kd, k, mask=d_ok)
+    tl.store(dst_v + db * d_vb + do * d_vo + head * d_vh + d * d_vd, v, mask=d_ok)
+
+
+_copy_head_row = jit(_copy_head_row_fn)
+
+
 def _move_rows_kernel_fn(
     src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_index_ptr, dst_index_ptr,
     src_block_size, dst_block_size,
@@ -61,18 +88,11 @@ def _move_rows_kernel_fn(
     ``src[src_index[row]]`` to ``dst[dst_index[row]]``; both sides are paged
     ``[blocks, block_size, heads, head_size]`` tensors (a staging buffer is
     one with block size 1)."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD_SIZE
-    src = tl.load(src_index_ptr + row).to(tl.int64)
-    dst = tl.load(dst_index_ptr + row).to(tl.int64)
-    sb, so = src // src_block_size, src % src_block_size
-    db, do = dst // dst_block_size, dst % dst_block_size
-    k = tl.load(src_k_ptr + sb * s_kb + so * s_ko + head * s_kh + d * s_kd, mask=d_ok)
-    v = tl.load(src_v_ptr + sb * s_vb + so * s_vo + head * s_vh + d * s_vd, mask=d_ok)
-    tl.store(dst_k_ptr + db * d_kb + do * d_ko + head * d_kh + d * d_kd, k, mask=d_ok)
-    tl.store(dst_v_ptr + db * d_vb + do * d_vo + head * d_vh + d * d_vd, v, mask=d_ok)
+    _copy_head_row(
+        src_k_ptr, src_v_ptr, dst_k_ptr, dst_v_ptr, src_index_ptr, dst_index_ptr,
+        src_block_size, dst_block_size,
+        s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+        d_kb, d_ko, d_kh, d_kd, d_vb, d_vo, d_vh, d_vd, HEAD_SIZE, HEAD_PAD)
 
 
 _move_rows_kernel = jit(_move_rows_kernel_fn)
@@ -113,24 +133,14 @@ def _move_layer_rows_kernel_fn(
     with each layer's key and value base addresses read from the int64
     tables ``src_ptrs`` and ``dst_ptrs`` (``[layers, 2]``), so one launch
     serves every layer; ``dtype_ptr`` only names the element type."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
     layer = tl.program_id(2)
     ty = tl.pointer_type(dtype_ptr.dtype.element_ty)
-    d = tl.arange(0, HEAD_PAD)
-    d_ok = d < HEAD_SIZE
-    src = tl.load(src_index_ptr + row).to(tl.int64)
-    dst = tl.load(dst_index_ptr + row).to(tl.int64)
-    sb, so = src // src_block_size, src % src_block_size
-    db, do = dst // dst_block_size, dst % dst_block_size
-    src_k = tl.load(src_ptrs + layer * 2).to(ty)
-    src_v = tl.load(src_ptrs + layer * 2 + 1).to(ty)
-    dst_k = tl.load(dst_ptrs + layer * 2).to(ty)
-    dst_v = tl.load(dst_ptrs + layer * 2 + 1).to(ty)
-    k = tl.load(src_k + sb * s_kb + so * s_ko + head * s_kh + d * s_kd, mask=d_ok)
-    v = tl.load(src_v + sb * s_vb + so * s_vo + head * s_vh + d * s_vd, mask=d_ok)
-    tl.store(dst_k + db * d_kb + do * d_ko + head * d_kh + d * d_kd, k, mask=d_ok)
-    tl.store(dst_v + db * d_vb + do * d_vo + head * d_vh + d * d_vd, v, mask=d_ok)
+    _copy_head_row(
+        tl.load(src_ptrs + layer * 2).to(ty), tl.load(src_ptrs + layer * 2 + 1).to(ty),
+        tl.load(dst_ptrs + layer * 2).to(ty), tl.load(dst_ptrs + layer * 2 + 1).to(ty),
+        src_index_ptr, dst_index_ptr, src_block_size, dst_block_size,
+        s_kb, s_ko, s_kh, s_kd, s_vb, s_vo, s_vh, s_vd,
+        d_kb, d_ko, d_kh, d_kd, d_vb, d_vo, d_vh, d_vd, HEAD_SIZE, HEAD_PAD)
 
 
 _move_layer_rows_kernel = jit(_move_layer_rows_kernel_fn)
