@@ -158,14 +158,21 @@ def accepted_path_slots(gen, block_size, committed, parents, block_table_row):
     return src, dst
 
 
-def move_reference(cache: torch.Tensor, src, dst) -> torch.Tensor:
-    """Read every source from a copy, then write: the contract."""
+def copied_rows(cache: torch.Tensor, src, dst, *, read_first: bool) -> torch.Tensor:
+    """The cache after copying slot ``src[i]`` to ``dst[i]`` in order, reading
+    every source before any write (``read_first``) or each right before its
+    write."""
     block_size = cache.shape[1]
-    snapshot = cache.clone()
     out = cache.clone()
+    read = cache.clone() if read_first else out
     for s, d in zip(src, dst):
-        out[d // block_size, d % block_size] = snapshot[s // block_size, s % block_size]
+        out[d // block_size, d % block_size] = read[s // block_size, s % block_size]
     return out
+
+
+def move_reference(cache: torch.Tensor, src, dst) -> torch.Tensor:
+    """Read every source, then write: the contract."""
+    return copied_rows(cache, src, dst, read_first=True)
 
 
 def move_case(seed, layout, block_size, kv_heads, head_size, dtype=torch.float32,
@@ -195,11 +202,7 @@ def move_case(seed, layout, block_size, kv_heads, head_size, dtype=torch.float32
 
 def serial_copy(cache: torch.Tensor, src, dst) -> torch.Tensor:
     """The wrong way: each row written right after it is read."""
-    block_size = cache.shape[1]
-    out = cache.clone()
-    for s, d in zip(src, dst):
-        out[d // block_size, d % block_size] = out[s // block_size, s % block_size]
-    return out
+    return copied_rows(cache, src, dst, read_first=False)
 
 
 def check_move_kv(impl, layout, block_size, kv_heads, head_size, dtype=torch.float32,
