@@ -319,13 +319,17 @@ def launch_shape(max_query_len: int, group: int, rows: int | None = None,
     return block_q, max(16, next_power_of_2(block_q * group)), num_warps
 
 
-def auto_splits(programs: int, max_seq_len: int, tile: int, device: torch.device) -> int:
+def auto_splits(num_reqs: int, max_query_len: int, group: int, num_kv_heads: int,
+                max_seq_len: int, tile: int, device: torch.device,
+                rows: int | None = None) -> int:
     """How many ways to split each request's keys: enough programs to fill
     the GPU a few times over (a batch-1 step has few tokens and kv heads, so
     one program per head would leave most multiprocessors idle over a long
     context), each split long enough to pay for the merge. One on the CPU."""
     if device.type != "cuda":
         return 1
+    block_q = launch_shape(max_query_len, group, rows)[0]
+    programs = num_reqs * -(-max_query_len // block_q) * num_kv_heads
     wanted = -(-_PROGRAMS_PER_SM * _multiprocessors(device) // max(programs, 1))
     return max(1, min(wanted, max_seq_len // (_MIN_TILES_PER_SPLIT * tile)))
 
@@ -370,7 +374,8 @@ def tree_attention_triton(query: torch.Tensor, key_cache: torch.Tensor,
     if splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
-        splits = auto_splits(num_reqs * q_blocks * num_kv_heads, max_seq_len, tile, query.device)
+        splits = auto_splits(num_reqs, max_query_len, group, num_kv_heads, max_seq_len, tile,
+                             query.device, rows)
     if splits > 1:
         part_acc = torch.empty(splits, num_tokens, num_heads, head_pad, dtype=torch.float32,
                                device=query.device)

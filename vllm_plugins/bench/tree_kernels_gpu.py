@@ -1,6 +1,6 @@
 """What a tree step's kernels cost on a GPU, beside what a chain's cost.
 
-Three tables, each timed with ``triton.testing.do_bench`` (median, L2 flushed
+Four kinds of table, each timed with ``triton.testing.do_bench`` (median, L2 flushed
 between calls) on CUDA tensors:
 
 1. Tree attention for one layer of an 8B Llama-shaped model (32 query heads
@@ -11,10 +11,13 @@ between calls) on CUDA tensors:
    path, here on the GPU), and torch's fused causal attention over the same
    query rows with contiguous K/V (``scaled_dot_product_attention`` with a
    lower-right causal mask): what a chain of as many tokens costs a fused
-   kernel that needs no block table, so a floor for vLLM's chain path.
-2. The accepted path's K/V move over 32 layers, as the bridge calls it (one
-   call per layer), kernel and twin.
-3. The step's linear layers (the same 8B shapes, 32 distinct layers, and the
+   kernel that needs no block table, a reference rather than vLLM's own.
+2. The kernel per launch configuration (rows per program, warps, key tile)
+   and per number of key splits, at a few of those shapes: the tables the
+   launch defaults come from.
+3. The accepted path's K/V move over 32 layers: the kernel called once per
+   layer, the all-layers kernel (what the bridge calls), and the twin.
+4. The step's linear layers (the same 8B shapes, 32 distinct layers, and the
    vocabulary projection of every verified row) per token count: how much
    more a step of N tokens costs than one of 1, the curve a cost model reads
    to size trees on this GPU.
@@ -90,9 +93,8 @@ def time_attention(num_reqs: int, nodes: int, context: int, gen: torch.Generator
         unsplit[tile] = _bench(lambda: ta.tree_attention_triton(
             *args, scale, out, max_query_len=x["query_len"], tile=tile, splits=1))
     best_tile = min(kernel, key=kernel.get)
-    block_q, _, _ = ta.launch_shape(x["query_len"], HEADS // KV_HEADS)
-    splits = ta.auto_splits(num_reqs * -(-x["query_len"] // block_q) * KV_HEADS, x["seq_len"],
-                            best_tile, x["query"].device)
+    splits = ta.auto_splits(num_reqs, x["query_len"], HEADS // KV_HEADS, KV_HEADS,
+                            x["seq_len"], best_tile, x["query"].device)
     plan = ta.plan_tree_attention(x["block_table"], x["seq_lens"], x["query_start_loc"],
                                   x["tree_mask"], BLOCK_SIZE, HEADS // KV_HEADS)
     twin = _bench(lambda: ta.tree_attention_planned(x["query"], x["key_cache"],
