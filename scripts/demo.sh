@@ -6,4 +6,4 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup.sh
-exec "$ROOT/.venv/bin/python" -m vllm_plugins.bench --quick "$@"
+exec "$ROOT/.venv/bin/python" -m vllm_plugins.bench methods --quick "$@"

@@ -1,4 +1,101 @@
-from vllm_plugins.bench.cli import main
+"""The one benchmark command: ``python -m vllm_plugins.bench <what> ...``
+(also installed as ``vllm-plugins-bench``).
+
+Each subcommand measures what a section of docs/benchmarks.md reports, and
+keeps its own options (``python -m vllm_plugins.bench <what> --help``).
+Subcommands are loaded only when run, so listing them starts no engine and
+imports neither vLLM nor torch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _methods():
+    from vllm_plugins.bench import cli
+    return cli
+
+
+def _stand():
+    from vllm_plugins.bench import stand_bench
+    return stand_bench
+
+
+def _layer_skip():
+    from vllm_plugins.bench import layer_skip_bench
+    return layer_skip_bench
+
+
+def _grammar():
+    from vllm_plugins.bench import grammar_bench
+    return grammar_bench
+
+
+def _grammar_compile_ttft():
+    from vllm_plugins.bench import grammar_compile_ttft
+    return grammar_compile_ttft
+
+
+def _step_costs():
+    from vllm_plugins.bench import step_costs
+    return step_costs
+
+
+def _kernel_sizes():
+    from vllm_plugins.bench import kernel_sizes
+    return kernel_sizes
+
+
+def _tree_kernels_gpu():
+    from vllm_plugins.bench import tree_kernels_gpu
+    return tree_kernels_gpu
+
+
+# name -> (loader of the module whose parse_args and main it runs, what it measures)
+SUBCOMMANDS = {
+    "methods": (_methods, "speculative methods side by side on Spec-Bench dev: "
+                          "MAT, speed, draft-length controllers (--quick: the demo)"),
+    "stand": (_stand, "STAND under test-time scaling: n samples per prompt"),
+    "layer-skip": (_layer_skip, "SWIFT and DEL beside Token Recycling, per category"),
+    "grammar": (_grammar, "grammar-forced drafts, native structured output against "
+                          "our grammar processor (--modes), the processor's cost "
+                          "(--processor)"),
+    "grammar-compile-ttft": (_grammar_compile_ttft, "a plain request's time to first "
+                                                    "token while a large schema compiles"),
+    "step-costs": (_step_costs, "a verification step's time by token count, chain "
+                                "against tree"),
+    "kernel-sizes": (_kernel_sizes, "a new token count in vLLM's CPU linear layers; "
+                                    "the tree attention twin's CPU time"),
+    "tree-kernels-gpu": (_tree_kernels_gpu, "the tree kernels' cost on a CUDA GPU"),
+}
+
+PROG = "python -m vllm_plugins.bench"
+
+
+def usage() -> str:
+    width = max(map(len, SUBCOMMANDS))
+    lines = [f"usage: {PROG} <what> [options]  ({PROG} <what> --help)", "",
+             "what:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def load(name: str):
+    """The module that runs subcommand ``name`` (its ``parse_args`` and ``main``)."""
+    if name not in SUBCOMMANDS:
+        raise SystemExit(f"{PROG}: unknown subcommand {name!r}; one of: "
+                         f"{', '.join(SUBCOMMANDS)}")
+    return SUBCOMMANDS[name][0]()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    return load(argv[0]).main(argv[1:])
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

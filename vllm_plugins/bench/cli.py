@@ -29,7 +29,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench",
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench methods",
                                 description=__doc__)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),

@@ -1,9 +1,9 @@
 """The grammar benchmark: vLLM structured output with and without
 grammar-forced drafts, and the cost of the grammar logits processor.
 
-    python -m vllm_plugins.bench.grammar_bench --schemas 60 --max-tokens 256
-    python -m vllm_plugins.bench.grammar_bench --processor --schemas 0 [--generate 100]
-    python -m vllm_plugins.bench.grammar_bench --modes all --schemas 16 --max-tokens 128
+    python -m vllm_plugins.bench grammar --schemas 60 --max-tokens 256
+    python -m vllm_plugins.bench grammar --processor --schemas 0 [--generate 100]
+    python -m vllm_plugins.bench grammar --modes all --schemas 16 --max-tokens 128
 
 ``--modes``: native structured output against our grammar processor, per
 mode (``vllm_plugins.bench.grammar_modes``).
@@ -73,7 +73,7 @@ PROMPT = ("Write a JSON object that follows this JSON schema:\n{schema}\n"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench.grammar_bench",
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench grammar",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--processor", action="store_true",
@@ -511,7 +511,3 @@ def main(argv=None) -> int:
 
         return run_modes(args)
     return run_processor(args) if args.processor else run_drafts(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

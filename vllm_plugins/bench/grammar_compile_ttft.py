@@ -12,7 +12,7 @@ that arrives behind it waits. This drives one engine step by step:
 4. recorded: P's time to first token (from its own add_request), R's longest
    gap between tokens while G waits or compiles, G's time to first token.
 
-Run: ``python -m vllm_plugins.bench.grammar_compile_ttft`` (one engine start;
+Run: ``python -m vllm_plugins.bench grammar-compile-ttft`` (one engine start;
 the default model, CPU). ``tests/test_grammar_compile_e2e.py`` runs
 :func:`measure` and checks the result.
 """
@@ -125,12 +125,17 @@ def measure(llm, *, alternatives: int = 600, salt: str | None = None,
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m vllm_plugins.bench grammar-compile-ttft",
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the package's default model")
     ap.add_argument("--alternatives", type=int, default=600)
     ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     from vllm_plugins.bench.engines import build_engine, quiet_vllm
     from vllm_plugins.default_model import default_model_path
 
@@ -141,7 +146,3 @@ def main(argv=None) -> int:
         res = measure(llm, alternatives=args.alternatives)
         print(json.dumps({k: round(v, 3) for k, v in res.items()}), flush=True)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """vLLM's native structured output against our grammar logits processor, per
 mode, on the same schemas, prompts and token budget.
 
-    python -m vllm_plugins.bench.grammar_bench --modes all --schemas 32 --max-tokens 128
+    python -m vllm_plugins.bench grammar --modes all --schemas 32 --max-tokens 128
 
 A mode is how a request asks for its JSON schema (``native``: vLLM's
 ``structured_outputs``; ``ours``: ``extra_args["grammar"]`` for the grammar

@@ -7,7 +7,7 @@ token count) and keeps 32 of them (``create_onednn_mm(weight, 32)`` in
 has a term for that (``new_shape_s``, docs/draft_length.md); this measures
 it directly, on the default model's MLP shape:
 
-    python -m vllm_plugins.bench.kernel_sizes [--rows 16,32,48,64,112] [--cache 32]
+    python -m vllm_plugins.bench kernel-sizes [--rows 16,32,48,64,112] [--cache 32]
 
 Per row count: the first call's time (kernel built) and the median of later
 calls (kernel cached), then one pass over more distinct counts than the cache
@@ -100,8 +100,9 @@ def measure_tree_attention(sizes: list[int], context: int = 512, heads: int = 9,
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="python -m vllm_plugins.bench kernel-sizes",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=_int_list, default=[16, 32, 48, 64, 112])
     ap.add_argument("--cache", type=int, default=32,
                     help="kernels kept per handler (vLLM uses 32)")
@@ -109,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="tree node counts for the tree attention twin")
     ap.add_argument("--context", type=int, default=512,
                     help="committed tokens before the tree")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = measure(args.rows, cache=args.cache)
     print("| rows | first call (us) | cached (us) |")
     print("|---:|---:|---:|")
@@ -125,7 +130,3 @@ def main(argv: list[str] | None = None) -> int:
     for r in measure_tree_attention(args.tree_sizes, context=args.context):
         print(f"| {r['nodes']} | {r['layer_us']:.0f} | {r['step_ms']:.1f} |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

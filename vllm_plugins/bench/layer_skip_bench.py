@@ -7,7 +7,7 @@ snapshotted after each category, so the table says what each method chose
 for that workload. Greedy; every method's tokens are checked against no
 speculation (mismatches column). MAT is exact (from ``LLMEngine.step``).
 
-    python -m vllm_plugins.bench.layer_skip_bench --per-category 2 --max-tokens 128
+    python -m vllm_plugins.bench layer-skip --per-category 2 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ DEFAULT_METHODS = list(METHODS)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench.layer_skip_bench",
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench layer-skip",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -124,7 +124,3 @@ def main(argv=None) -> int:
                 print(f"  {cat:>22} {m}: {text}")
     shutdown_all(engines.values())
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -9,7 +9,7 @@ some of them (exact, from ``LLMEngine.step``). Warm-up batches use prompts of
 other categories: STAND keeps a prompt's store after its requests finish, and
 warming up on the measured prompts would hand it their n-grams for free.
 
-    python -m vllm_plugins.bench.stand_bench --per-category 4 --max-tokens 128
+    python -m vllm_plugins.bench stand --per-category 4 --max-tokens 128
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ DEFAULT_METHODS = ["none", "ngram", "token_recycling", "stand"]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench.stand_bench",
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench stand",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -139,7 +139,3 @@ def main(argv=None) -> int:
           {"args": vars(args), "engine_stats": stats, "acceptance": acceptance})
     shutdown_all(engines.values())
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

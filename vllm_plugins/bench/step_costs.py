@@ -11,7 +11,7 @@ sampler, the tree path's planning, masked attention, acceptance and K/V
 moves included), and grouped by the step's token count and by what it
 verified: nothing, a chain, or a tree.
 
-    python -m vllm_plugins.bench.step_costs --nodes 8 --prompts 6 --max-tokens 128
+    python -m vllm_plugins.bench step-costs --nodes 8 --prompts 6 --max-tokens 128
 
 A tree step's own cost is the tree median less the chain median at the same
 token count, to within how far the two engines' steps without drafts lie
@@ -125,7 +125,7 @@ def record_steps(records: list[StepRecord], current: dict) -> None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench.step_costs",
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench step-costs",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
@@ -194,7 +194,3 @@ def main(argv=None) -> int:
                        "no_draft_ms": plain,
                        "records": [r.__dict__ for r in records]}, f, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

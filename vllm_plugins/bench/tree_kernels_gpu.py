@@ -22,7 +22,7 @@ between calls) on CUDA tensors:
    more a step of N tokens costs than one of 1, the curve a cost model reads
    to size trees on this GPU.
 
-    python -m vllm_plugins.bench.tree_kernels_gpu [--out kernels_gpu.json]
+    python -m vllm_plugins.bench tree-kernels-gpu [--out kernels_gpu.json]
 """
 
 from __future__ import annotations
@@ -198,8 +198,9 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected integers like 1,8, got {text!r}") from None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv: list[str] | None = None):
+    ap = argparse.ArgumentParser(prog="python -m vllm_plugins.bench tree-kernels-gpu",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=_int_list, default=[1, 8, 32])
     ap.add_argument("--contexts", type=_int_list, default=[512, 2048, 8192])
     ap.add_argument("--nodes", type=_int_list, default=[1, 8, 16, 32, 64, 80])
@@ -209,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                     default=["attention", "sweep", "move", "linear"],
                     help="which tables, of attention,sweep,move,linear")
     ap.add_argument("--out", help="write every measurement here as JSON")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("tree_kernels_gpu needs a CUDA device")
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -300,7 +305,3 @@ def _linear_table(args, gen, result) -> None:
     result["linear"] = time_linear(args.tokens, gen)
     for r in result["linear"]:
         print(f"| {r['tokens']} | {r['ms']:.2f} | {r['vs_first']:.2f} |", flush=True)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
