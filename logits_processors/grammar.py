@@ -77,6 +77,7 @@ from vllm_plugins.grammar.spec import (
     grammar_request,
     validate_grammar_request,
 )
+from vllm_plugins.tree.sampling import is_greedy
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -85,8 +86,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 __all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
-
-_SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
 
 
 class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor):
@@ -158,7 +157,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
             raise GrammarSpecError(
                 f'give either extra_args["{GRAMMAR_KEY}"] or structured_outputs, not both'
             )
-        if compiled.aligned and sampling_params.temperature < _SAMPLING_EPS:
+        if compiled.aligned and is_greedy(sampling_params):
             raise GrammarSpecError(
                 f'extra_args["{GRAMMAR_KEY}"]["aligned"] needs random sampling '
                 f"(temperature > 0); got temperature={sampling_params.temperature}"
@@ -249,7 +248,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
             self._log_once("asap:v2", "grammar 'aligned' sampling runs on vLLM's V1 model "
                            "runner only; on V2 such requests are masked plainly")
             return None
-        if params.temperature < _SAMPLING_EPS:  # validate_params refuses this
+        if is_greedy(params):  # validate_params refuses this
             return None
         if self._asap is None:
             self._asap = AsapStore(self._asap_max_nodes)

@@ -67,9 +67,9 @@ from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
 from vllm_plugins.proposers.stand_tree import dense_rows, grow_tree, observed_nodes
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.tree.draft import path_to
+from vllm_plugins.tree.sampling import is_greedy
 
 _MASK = (1 << 63) - 1
-_GREEDY_EPS = 1e-5  # vLLM treats temperature below this as greedy
 # Controllers whose choice for position j depends only on positions <= j
 # (see the module docstring, rule 2).
 PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
@@ -340,7 +340,7 @@ class StandProposer(PluginProposer):
             stores.append(store)
         self._enforce_budget()
         for i, r, length in self.drafting_requests(ctx):
-            sampled = r.temperature > _GREEDY_EPS
+            sampled = not is_greedy(r)
             if self._tree_serves(r, sampled):
                 t, p, c, k, parents[i] = self.tree(stores[i], r, length, sampled)
             else:

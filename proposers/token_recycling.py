@@ -21,7 +21,7 @@ largest batch seen. Tables and walk: ``token_recycling_tables``.
 
 ``"draft_shape": "tree"`` drafts a tree per request instead, up to
 ``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
-sampling the tree path cannot serve (the bridge's ``tree_allowed``) keep the
+sampling the tree path cannot serve (``vllm_plugins.tree.sampling.tree_allowed``) keep the
 chain. The ``goodput`` policy then chooses which nodes to verify each step
 (docs/draft_length.md, "Trees"); ``fixed`` verifies them all.
 """
@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 
-from vllm_plugins.bridge.tree_step import tree_allowed
 from vllm_plugins.options import Option, choice, flag, integer, positive_int, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
@@ -43,6 +42,7 @@ from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, RecyclingT
 from vllm_plugins.proposers.token_recycling_tree import BUILDERS, TreeBuilder, learn_tree
 from vllm_plugins.proposers.token_recycling_tree import warm_up as warm_up_tree
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.tree.sampling import tree_allowed
 
 
 def writes_shared_files() -> bool:
@@ -217,7 +217,7 @@ class TokenRecyclingProposer(PluginProposer):
 
     def _draft_trees(self, ctx: StepContext, drafting, tokens, conf) -> Drafts:
         """Trees for the requests the tree path serves, chains for the rest
-        (the bridge's ``tree_allowed``). A tree node's confidence is its
+        (``tree_allowed``). A tree node's confidence is its
         probability given its parent."""
         parents: list[list[int] | None] = [None] * len(ctx.requests)
         chains = []

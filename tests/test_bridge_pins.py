@@ -126,6 +126,19 @@ def test_ngram_lookup_function():
     assert list(lookup(toks, 2, 3, 100, 2)) == [4, 1]
 
 
+def test_greedy_threshold_is_vllms():
+    """vllm_plugins.tree.sampling.SAMPLING_EPS: where vLLM switches from
+    greedy to random sampling."""
+    from vllm.sampling_params import _SAMPLING_EPS, SamplingParams, SamplingType
+
+    from vllm_plugins.tree.sampling import SAMPLING_EPS, is_greedy
+
+    assert SAMPLING_EPS == _SAMPLING_EPS
+    for t in (0.0, SAMPLING_EPS / 2, SAMPLING_EPS, 0.7):
+        p = SamplingParams(temperature=t)
+        assert is_greedy(p) == (p.sampling_type == SamplingType.GREEDY), t
+
+
 def test_options_ride_the_config_to_workers():
     from vllm.config import SpeculativeConfig
 

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from vllm_plugins.bridge.tree_step import tree_allowed
 from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
 from vllm_plugins.proposers.token_recycling_tables import RecyclingTables, context_hash
 from vllm_plugins.proposers.token_recycling_tree import (BUILDERS, SPAN_MAX_MATCH,
@@ -17,6 +16,7 @@ from vllm_plugins.proposers.token_recycling_tree import (BUILDERS, SPAN_MAX_MATC
                                                          TEMPLATE_RANKS, TreeBuilder,
                                                          _find_span, learn_tree, span_logp)
 from vllm_plugins.step_context import RequestStep, StepContext
+from vllm_plugins.tree.sampling import tree_allowed
 
 VOCAB = 40
 

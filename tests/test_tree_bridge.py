@@ -13,6 +13,7 @@ import torch
 from vllm_plugins.bridge import tree_step
 from vllm_plugins.kernels.cache_layout import cpu_cache_views
 from vllm_plugins.step_context import Drafts
+from vllm_plugins.tree.sampling import tree_allowed
 
 TREE_A = [-1, -1, 0, 0, 2, 1]  # two root children, a deeper left branch
 TREE_B = [-1, 0, 0, 1]
@@ -312,8 +313,8 @@ def test_requests_the_tree_cannot_serve_go_out_as_their_chain_prefix():
     for p in (SamplingParams(presence_penalty=0.5), SamplingParams(min_tokens=3),
               SamplingParams(bad_words=["x"]), SamplingParams(logit_bias={1: 1.0}),
               SamplingParams(repetition_penalty=1.2), SamplingParams(min_p=0.1)):
-        assert not tree_step.tree_allowed(p), p
-    assert tree_step.tree_allowed(SamplingParams(temperature=0.7, top_k=5, seed=3))
+        assert not tree_allowed(p), p
+    assert tree_allowed(SamplingParams(temperature=0.7, top_k=5, seed=3))
 
 
 def test_a_tree_with_bad_parents_goes_out_as_its_chain_prefix():

@@ -183,6 +183,7 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.model_executor.models.llama:LlamaModel.embed_input_ids",
     "vllm.distributed.parallel_state:get_tp_group",
     "vllm.v1.sample.rejection_sampler:apply_sampling_constraints",
+    "vllm.sampling_params:_SAMPLING_EPS",
     "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
     "vllm.distributed.parallel_state:GroupCoordinator.first_rank",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",

@@ -26,7 +26,8 @@ each request whose scheduled drafts are a prefix of the tree we recorded:
    scheduler's computed-token count, the cache contents and the prefix
    cache's block hashes (of token ids) are plain decoding's.
 
-Requests the tree path cannot serve take chains (``tree_allowed``): the
+Requests the tree path cannot serve take chains
+(``vllm_plugins.tree.sampling.tree_allowed``): the
 bridge cuts their draft to its longest chain prefix before vLLM sees it.
 """
 
@@ -44,48 +45,16 @@ from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_atte
                                                  tree_attention_planned)
 from vllm_plugins.tree import acceptance
 from vllm_plugins.tree.draft import ancestor_mask, depths, validate
+from vllm_plugins.tree.sampling import is_greedy, tree_allowed
 
 logger = logging.getLogger(__name__)
 
 # vllm.v1.sample.rejection_sampler.PLACEHOLDER_TOKEN_ID: the padding of the
 # rejection sampler's [requests, max_spec_len + 1] output.
 PLACEHOLDER_TOKEN_ID = -1
-# vllm.v1.sample.sampler: temperatures below this are greedy.
-_SAMPLING_EPS = 1e-5
 
 
 # ------------------------------------------------------------ which requests
-
-def tree_allowed(sampling_params) -> bool:
-    """Whether a request may be verified as a tree: no feature whose
-    sampler path the tree acceptance does not reproduce (logprobs,
-    penalties, bad words, structured outputs, logits processors and biases,
-    min_tokens, min_p, allowed tokens). Proposers call it before building a
-    tree; the bridge enforces it by cutting other requests' trees to a chain.
-    """
-    p = sampling_params
-    if p is None:
-        return True
-    return not (
-        getattr(p, "logprobs", None) is not None
-        or getattr(p, "prompt_logprobs", None) is not None
-        or getattr(p, "presence_penalty", 0.0) != 0.0
-        or getattr(p, "frequency_penalty", 0.0) != 0.0
-        or getattr(p, "repetition_penalty", 1.0) != 1.0
-        or getattr(p, "bad_words", None)
-        or getattr(p, "structured_outputs", None) is not None
-        or getattr(p, "logit_bias", None)
-        or getattr(p, "allowed_token_ids", None)
-        or getattr(p, "min_tokens", 0)
-        or getattr(p, "min_p", 0.0) > 0.0
-        or getattr(p, "extra_args", None)
-        or getattr(p, "thinking_token_budget", None) is not None
-    )
-
-
-def is_greedy(sampling_params) -> bool:
-    return float(getattr(sampling_params, "temperature", 0.0) or 0.0) < _SAMPLING_EPS
-
 
 def chain_length(parents) -> int:
     """How many leading nodes form a chain from the root."""

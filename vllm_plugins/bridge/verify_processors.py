@@ -36,10 +36,9 @@ import logging
 import torch
 
 from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+from vllm_plugins.tree.sampling import SAMPLING_EPS
 
 logger = logging.getLogger("vllm_plugins")
-
-_SAMPLING_EPS = 1e-5  # vLLM samples greedily below this temperature
 
 
 def applies_processors(vllm_config) -> bool:
@@ -187,7 +186,7 @@ def apply_per_position(processor, logits: torch.Tensor, num_draft: list[int],
         starts[i] = starts[i - 1] + num_draft[i - 1]
     temp = None
     if temperature is not None:
-        temp = torch.where(temperature < _SAMPLING_EPS,
+        temp = torch.where(temperature < SAMPLING_EPS,
                            torch.ones_like(temperature), temperature).unsqueeze(1)
     for j in range(max(num_draft, default=0)):
         reqs = [i for i in range(num_reqs) if num_draft[i] > j]
