@@ -1,0 +1,99 @@
+"""The one benchmark command: it lists every subcommand, and every benchmark
+command the docs print parses with that subcommand's own options. No engine
+starts: only the argument parsers run."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm_plugins.bench.__main__ import SUBCOMMANDS, load, main
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ENTRY = "-m vllm_plugins.bench"
+# What ends a command on a shell line.
+SHELL_END = {"|", ";", "&&", "||", ">", ">>", "2>&1", "&"}
+
+
+def doc_commands(text: str) -> list[list[str]]:
+    """The argument lists after ``python -m vllm_plugins.bench`` in ``text``:
+    fenced blocks with their backslash continuations joined, and inline code."""
+    text = re.sub(r"\\\n\s*", " ", text)
+    commands = []
+    for line in text.splitlines():
+        for chunk in re.findall(r"`([^`]*)`", line) or [line]:
+            at = chunk.find(ENTRY)
+            if at < 0 or chunk[at + len(ENTRY):at + len(ENTRY) + 1] not in ("", " "):
+                continue
+            words = shlex.split(chunk[at + len(ENTRY):], comments=True)
+            cut = next((i for i, w in enumerate(words) if w in SHELL_END), len(words))
+            commands.append(words[:cut])
+    return commands
+
+
+def all_doc_commands() -> list[tuple[str, list[str]]]:
+    return [(p.name, c) for p in DOCS for c in doc_commands(p.read_text())]
+
+
+def test_the_command_lists_every_subcommand(capsys):
+    assert main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert re.search(rf"^  {re.escape(name)} ", listed, re.M), name
+    assert main([]) == 2                       # no subcommand: the list, and an error
+
+
+def test_an_unknown_subcommand_names_the_known_ones():
+    with pytest.raises(SystemExit, match="unknown subcommand 'mat'.*methods"):
+        main(["mat"])
+
+
+def test_listing_imports_neither_vllm_nor_torch():
+    code = ("import sys; from vllm_plugins.bench.__main__ import main; main(['--help']); "
+            "heavy = sorted(m for m in ('vllm', 'torch') if m in sys.modules); "
+            "assert not heavy, heavy")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("name", list(SUBCOMMANDS))
+def test_every_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        load(name).parse_args(["--help"])
+    assert e.value.code == 0
+    assert f"python -m vllm_plugins.bench {name}" in capsys.readouterr().out
+
+
+def test_docs_print_no_other_benchmark_entry_point():
+    """The modules behind the subcommands are not entry points of their own."""
+    old = [(p.name, m) for p in DOCS
+           for m in re.findall(r"-m vllm_plugins\.bench\.(\w+)", p.read_text())]
+    assert not old, f"commands through a bench module, not the subcommand: {old}"
+
+
+def test_every_subcommand_backs_a_section_of_benchmarks_md():
+    used = {c[0] for name, c in all_doc_commands() if name == "benchmarks.md" and c}
+    assert set(SUBCOMMANDS) <= used, sorted(set(SUBCOMMANDS) - used)
+
+
+def test_every_doc_command_parses():
+    commands = all_doc_commands()
+    assert len(commands) >= len(SUBCOMMANDS)
+    for doc, words in commands:
+        assert words and words[0] in SUBCOMMANDS, (doc, words)
+        try:
+            load(words[0]).parse_args(words[1:])
+        except SystemExit as e:              # argparse's error exit
+            raise AssertionError(f"{doc}: {shlex.join(words)} does not parse") from e
+
+
+def test_a_wrong_doc_command_fails_to_parse():
+    """The check above can fail: a misspelt option is an argparse error."""
+    [words] = doc_commands("```bash\npython -m vllm_plugins.bench methods --batch-sise 8\n```")
+    with pytest.raises(SystemExit):
+        load(words[0]).parse_args(words[1:])
