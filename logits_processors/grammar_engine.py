@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from vllm_plugins.grammar.spec import GRAMMAR_KEY, GrammarSpecError
+from vllm_plugins.registry import applies_processors
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -30,8 +31,6 @@ def engine_drops_processors(vllm_config: "VllmConfig") -> str | None:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or vllm_config.use_v2_model_runner:
         return None
-    from vllm_plugins.bridge.verify_processors import applies_processors
-
     if applies_processors(vllm_config):
         return None
     method = getattr(spec, "method", None)

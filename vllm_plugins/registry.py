@@ -51,6 +51,16 @@ BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
 RENAMED = {"grammar": "grammar_forced"}
 
 
+def applies_processors(vllm_config) -> bool:
+    """True for an engine whose drafter is one of ours: the bridge then
+    applies logits processors at every verified row
+    (``vllm_plugins.bridge.verify_processors``), and our grammar processor
+    runs under speculation. V1 runner only: the V2 runner is refused for our
+    methods at start-up."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return spec is not None and getattr(spec, PLUGIN_OPTIONS_ATTR, None) is not None
+
+
 def register_method(name: str, class_path: str) -> None:
     """Lets other packages add methods through the same route."""
     m = Method(name, class_path)

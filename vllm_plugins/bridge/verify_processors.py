@@ -35,17 +35,10 @@ import logging
 
 import torch
 
-from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
+from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR, applies_processors
 from vllm_plugins.tree.sampling import SAMPLING_EPS
 
 logger = logging.getLogger("vllm_plugins")
-
-
-def applies_processors(vllm_config) -> bool:
-    """True for an engine whose drafter is one of ours (V1 runner: the V2
-    runner is refused for our methods at start-up)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    return spec is not None and getattr(spec, PLUGIN_OPTIONS_ATTR, None) is not None
 
 
 def _grammar_class():
