@@ -190,7 +190,7 @@ def test_unsafe_combinations_are_refused_at_start_up(monkeypatch):
 def test_self_drafting_refuses_targets_with_several_attention_kinds():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from vllm_plugins.self_draft import check_target
+    from vllm_plugins.bridge.target_layers import check_target
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
                              dtype=torch.float32)

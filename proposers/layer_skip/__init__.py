@@ -1,2 +1,3 @@
 """Self-speculation with the target's own layers: SWIFT (layer skip) and DEL
-(dynamic early exit). The partial forwards live in vllm_plugins.self_draft."""
+(dynamic early exit). The partial forwards live in the bridge
+(vllm_plugins.bridge.target_layers); their plan types in vllm_plugins.self_draft."""

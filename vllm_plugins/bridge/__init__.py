@@ -7,6 +7,7 @@ tests/test_bridge_pins.py that fails loudly when vLLM's shape changes.
 - ``config``: start-up (our method names, option validation, refusals);
 - ``runner``: the V1 model runner's step, for our proposers only;
 - ``step``: the StepContext built from the runner's arrays (no patching);
+- ``target_layers``: the target's partial forwards for self-drafting proposers;
 - ``state``: the one typed object we keep on a runner;
 - ``cpu_fixes``: a correction to vLLM's CPU build.
 """

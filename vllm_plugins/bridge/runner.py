@@ -50,7 +50,7 @@ def wrap_after_load(original):
         state.tree_refusal = tree_refusal(self)
         if getattr(drafter, "SELF_DRAFT", False):
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
-            from vllm_plugins.self_draft import check_target
+            from vllm_plugins.bridge.target_layers import check_target
 
             options = getattr(self.vllm_config.speculative_config,
                               PLUGIN_OPTIONS_ATTR, None) or {}

@@ -144,7 +144,7 @@ def add_self_draft(runner, proposer, ctx: StepContext, common_attn_metadata,
     query_start_loc_cpu gives each request's scheduled token rows, whose last
     num_draft + 1 were verified.
     """
-    from vllm_plugins.self_draft import TargetLayers
+    from vllm_plugins.bridge.target_layers import TargetLayers
 
     ctx.target = TargetLayers(runner, common_attn_metadata.block_table_tensor)
     qsl = common_attn_metadata.query_start_loc_cpu.numpy()
