@@ -50,6 +50,22 @@ def test_factory_names_defaults_and_errors():
         make_controller("goodput", {"seed": -3}, D)
 
 
+def test_each_controller_name_names_one_class():
+    """A policy's class declares its own name, and no other controller
+    class shares it (the stats' "policy" says which rule decided)."""
+    from vllm_plugins.proposers.draft_length import CONTROLLERS, DraftLengthController
+
+    classes, todo = [], [DraftLengthController]
+    while todo:
+        cls = todo.pop()
+        classes.append(cls)
+        todo += cls.__subclasses__()
+    own = [c.name for c in classes if "name" in vars(c)]
+    assert len(own) == len(set(own)), own
+    for name, cls in CONTROLLERS.items():
+        assert vars(cls).get("name") == name, cls
+
+
 def test_fixed_keeps_all_and_empty_batch():
     c = make_controller("fixed", {}, D)
     ctx = StepContext([request_step("a", 0, 0), request_step("b", 0, 0)], max_draft=D)

@@ -32,7 +32,8 @@ from vllm_plugins.proposers.draft_length.controllers import (
 from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
 from vllm_plugins.proposers.draft_length.tree_goodput import TreeGoodputController
 
-# ``goodput`` is the tree-aware controller: on chains it is GoodputController.
+# Policy name -> controller. ``goodput`` is the tree-aware controller, which
+# on chains decides as GoodputController (the chain rule, "goodput_chain").
 CONTROLLERS: dict[str, type[DraftLengthController]] = {
     c.name: c for c in (FixedController, AcceptanceController, ConfidenceController,
                         TreeGoodputController)

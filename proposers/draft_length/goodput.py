@@ -69,7 +69,10 @@ class GoodputController(EstimatingController):
     decided from measured rates as well as the model (``Rest``).
     """
 
-    name = "goodput"
+    # The chain rule alone, not a policy a method can name: the ``goodput``
+    # policy is TreeGoodputController, which runs this rule on rows without a
+    # tree. Its name is what its stats report ("policy").
+    name = "goodput_chain"
     OPTIONS = (
         *ESTIMATOR_OPTIONS,
         *CONFIDENCE_OPTIONS,

@@ -114,6 +114,7 @@ class TreeGoodputController(GoodputController):
     the policy shape its trees) go through ``GoodputController`` unchanged,
     in the same allocation."""
 
+    name = "goodput"
     _TREE_PROBE_GAP = 64   # steps: at most 1 in 64 forced to verify trees
 
     def __init__(self, max_draft: int, options: dict):
