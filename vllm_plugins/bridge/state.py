@@ -43,6 +43,9 @@ class StepCounters:
     tree_only_steps: int = 0
     tree_requests: int = 0
     kv_moved: int = 0
+    # Request drafts dropped because they broke the draft layout
+    # (vllm_plugins.tree.checked): a proposer bug, never the engine's end.
+    malformed_drafts: int = 0
 
     def count(self, sampled_token_ids, num_draft: list[int] | None) -> None:
         self.steps += 1
@@ -58,7 +61,8 @@ class StepCounters:
         return {"steps": self.steps, "drafted": self.drafted,
                 "accepted": self.accepted, "tokens": self.tokens,
                 "tree_steps": self.tree_steps, "tree_only_steps": self.tree_only_steps,
-                "tree_requests": self.tree_requests, "kv_moved": self.kv_moved}
+                "tree_requests": self.tree_requests, "kv_moved": self.kv_moved,
+                "malformed_drafts": self.malformed_drafts}
 
 
 @dataclass
@@ -88,6 +92,8 @@ class RunnerState:
     tree_step: object = None
     tree_refusal: str | None = None
     tree_layout_checked: bool = False
+    # Whether a malformed draft of this runner's proposer was logged.
+    malformed_logged: bool = False
 
 
 def state_of(runner) -> RunnerState | None:

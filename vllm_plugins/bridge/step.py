@@ -8,6 +8,7 @@ runners without an engine.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -17,6 +18,8 @@ from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import RunnerState, TopkStash
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
+
+logger = logging.getLogger("vllm_plugins")
 
 
 def verifies_nothing(spec_decode_metadata) -> bool:
@@ -216,12 +219,32 @@ def record_trees(runner, state: RunnerState, ctx: StepContext, drafts: Drafts):
 
         state.tree_layout_checked = True
         state.tree_refusal = state.tree_refusal or tree_refusal(runner.get_model())
+    drafts = check_drafts(runner, state, [r.req_id for r in ctx.requests], drafts)
     params = {r.req_id: r.sampling_params for r in ctx.requests}
     # One KV cache group: the tree step reads one slot mapping.
     groups = getattr(getattr(runner.input_batch, "block_table", None), "block_tables", ())
     capable = state.tree_refusal is None and len(groups) == 1
     return record_drafts(state.trees, [r.req_id for r in ctx.requests], drafts,
                          params.get, capable)
+
+
+def check_drafts(runner, state: RunnerState, req_ids, drafts: Drafts) -> Drafts:
+    """The drafts with each malformed request's draft dropped
+    (``vllm_plugins.tree.checked``): logged once per proposer, counted."""
+    from vllm_plugins.tree.checked import drop_malformed
+
+    vocab = getattr(runner.input_batch, "vocab_size", None)
+    drafts, bad = drop_malformed(drafts, req_ids, None if vocab is None else int(vocab))
+    if bad:
+        state.counters.malformed_drafts += len(bad)
+        if not state.malformed_logged:
+            state.malformed_logged = True
+            req_id, why = bad[0]
+            logger.error("%s proposed a malformed draft for request %s (%s); such "
+                         "drafts are dropped, the request decodes on (logged once, "
+                         "counted in malformed_drafts)",
+                         type(state.proposer).__name__, req_id, why)
+    return drafts
 
 
 def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
