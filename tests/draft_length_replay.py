@@ -258,9 +258,9 @@ def make_proposer(method: str, policy: str):
         from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
 
         return TokenRecyclingProposer(options=options, vocab_size=VOCAB)
-    from vllm_plugins.proposers.vllm_ngram import AdaptiveNgramProposer
+    from vllm_plugins.proposers.ngram_adaptive import NgramAdaptiveProposer
 
-    return AdaptiveNgramProposer(options=options)
+    return NgramAdaptiveProposer(options=options)
 
 
 def simulator_runs() -> dict:

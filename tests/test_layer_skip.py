@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_plugins.proposers.layer_skip.base import DraftVocab
-from vllm_plugins.proposers.layer_skip.dynamic_exit import DynamicExitProposer
+from vllm_plugins.proposers.layer_skip.del_ import DelProposer
 from vllm_plugins.proposers.layer_skip.skip_search import SkipSetSearch, mask_to_skips
 from vllm_plugins.registry import translate
 from vllm_plugins.self_draft import LayerPlan
@@ -93,12 +93,12 @@ def test_self_drafting_needs_a_llama_style_model():
     target = llama_like_model()
     del target.model.layers[0].mlp
     with pytest.raises(ValueError, match="Llama-style"):
-        DynamicExitProposer(options={"draft_vocab": 0}, vocab_size=32).load_model(target)
+        DelProposer(options={"draft_vocab": 0}, vocab_size=32).load_model(target)
 
 
 def _del(**options):
     opts = {"draft_vocab": 0, **options}
-    proposer = DynamicExitProposer(options=opts, vocab_size=32)
+    proposer = DelProposer(options=opts, vocab_size=32)
     proposer.load_model(llama_like_model())
     return proposer
 
@@ -202,7 +202,7 @@ def test_self_drafting_methods_translate_to_custom_class():
     assert spec["method"] == "custom_class" and spec["model"].endswith("SwiftProposer")
     assert spec["num_speculative_tokens"] == 5 and opts["skip_ratio"] == 0.3
     spec, opts = translate({"method": "del", "exit_layers": [10, 20]})
-    assert spec["model"].endswith("DynamicExitProposer") and opts["exit_layers"] == [10, 20]
+    assert spec["model"].endswith("DelProposer") and opts["exit_layers"] == [10, 20]
 
 
 def test_grammar_around_a_self_drafting_method_exposes_it_to_the_bridge():

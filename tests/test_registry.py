@@ -37,6 +37,29 @@ def test_dotted_path_route_uses_defaults():
     assert spec["model"] == path and opts["method"] == "token_recycling"
 
 
+def test_each_method_lives_in_a_module_and_class_of_its_name():
+    """``del`` is a Python keyword: its module is ``del_`` (PEP 8)."""
+    from vllm_plugins.registry import METHODS
+
+    for name, method in METHODS.items():
+        module, cls = method.class_path.rsplit(".", 1)
+        stem = name.removesuffix("_forced")  # grammar_forced: proposers/grammar.py
+        assert module.rsplit(".", 1)[1].rstrip("_") == stem, method
+        assert cls.lower() == stem.replace("_", "") + "proposer", method
+        assert method.proposer_class().__name__ == cls
+
+
+@pytest.mark.parametrize("old,method", [
+    ("vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer", "ngram_adaptive"),
+    ("vllm_plugins.proposers.layer_skip.dynamic_exit.DynamicExitProposer", "del"),
+])
+def test_former_class_paths_still_reach_their_method(old, method):
+    from vllm_plugins.registry import METHODS
+
+    spec, opts = translate({"method": "custom_class", "model": old})
+    assert opts["method"] == method and spec["model"] == METHODS[method].class_path
+
+
 def test_declared_option_wins_over_vllm_field_of_same_name():
     spec, opts = translate({"method": "ngram_adaptive", "prompt_lookup_min": 3})
     assert opts["prompt_lookup_min"] == 3 and "prompt_lookup_min" not in spec

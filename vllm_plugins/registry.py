@@ -37,15 +37,20 @@ METHODS: dict[str, Method] = {
         Method("token_recycling",
                "vllm_plugins.proposers.token_recycling.TokenRecyclingProposer"),
         Method("ngram_adaptive",
-               "vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer"),
+               "vllm_plugins.proposers.ngram_adaptive.NgramAdaptiveProposer"),
         Method("stand", "vllm_plugins.proposers.stand.StandProposer"),
         Method("swift", "vllm_plugins.proposers.layer_skip.swift.SwiftProposer"),
-        Method("del",
-               "vllm_plugins.proposers.layer_skip.dynamic_exit.DynamicExitProposer"),
+        Method("del", "vllm_plugins.proposers.layer_skip.del_.DelProposer"),
         Method("grammar_forced", "vllm_plugins.proposers.grammar.GrammarProposer"),
     )
 }
 BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
+# Class paths of earlier releases: a custom_class config naming one still
+# reaches the method (vLLM is handed the current path).
+BY_CLASS_PATH.update({
+    "vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer": METHODS["ngram_adaptive"],
+    "vllm_plugins.proposers.layer_skip.dynamic_exit.DynamicExitProposer": METHODS["del"],
+})
 # Names vLLM has taken or is taking upstream (an open prototype uses
 # "grammar"): where vLLM does not define them, a user who types one learns ours.
 RENAMED = {"grammar": "grammar_forced"}

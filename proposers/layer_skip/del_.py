@@ -41,7 +41,7 @@ def _layer_list_ok(value) -> bool:
                              and all(isinstance(i, int) and i > 0 for i in value))
 
 
-class DynamicExitProposer(SelfDraftProposer):
+class DelProposer(SelfDraftProposer):
     OPTIONS = (
         *SelfDraftProposer.COMMON_SELF_DRAFT_OPTIONS,
         Option("exit_layers", None, (list, type(None)), _layer_list_ok,

@@ -16,7 +16,7 @@ from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.step_context import Drafts, StepContext
 
 
-class AdaptiveNgramProposer(PluginProposer):
+class NgramAdaptiveProposer(PluginProposer):
     OPTIONS = (
         *draft_length_options("goodput"),
         # A lookup length allocates nothing; the bound keeps one lookup's cost
