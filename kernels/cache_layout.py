@@ -8,8 +8,13 @@ first half holds the keys transposed (``[head_size, block_size]``, what its
 (``[block_size, head_size]``). Both halves are plain strided views of that
 tensor, so the kernels read and write the engine's cache in place.
 ``tests/test_kernels.py`` checks these views against what vLLM's own cache
-writer stores. The ``amx`` ISA (bfloat16 on CPUs with AMX tiles) packs keys
-in another order that no strided view describes; it is not covered here.
+writer stores. The backend picks a kernel ISA per attention group
+(``vllm.v1.attention.backends.cpu_attn._get_attn_isa``), and each ISA's cache
+writer may pack K/V its own way: ``amx`` (bfloat16 on CPUs with AMX tiles)
+packs keys in an order no strided view describes, ``neon`` packs bfloat16
+for BFMMLA, and ``rvv``, ``vxe`` and ``vsx`` were never checked. So the views
+are allowed only on the ISAs in ``VIEWED_ISAS``, each checked against vLLM's
+writer for every cache dtype (``tests/test_cache_layouts.py``).
 """
 
 from __future__ import annotations
@@ -34,3 +39,17 @@ def cpu_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         (block_stride, 1, head_stride, block_size))
     value_cache = value_half.permute(0, 2, 1, 3)
     return key_cache, value_cache
+
+
+#: vLLM CPU attention ISAs whose K/V layout ``cpu_cache_views`` reads, each
+#: tested against vLLM's own cache writer (a positive list: an ISA vLLM adds
+#: is refused until it is tested).
+VIEWED_ISAS = ("vec", "vec16")
+
+
+def layout_refusal(isa: str) -> str | None:
+    """Why the views cannot read a cache written by ``isa``'s kernels, or None."""
+    if isa in VIEWED_ISAS:
+        return None
+    return (f"tree drafts cannot read the CPU backend's '{isa}' K/V cache layout "
+            f"(they read the layouts of {', '.join(VIEWED_ISAS)} only)")

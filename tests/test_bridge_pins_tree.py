@@ -32,3 +32,25 @@ def test_cpu_attention_metadata_can_be_cut_to_some_requests():
                 "kv_cache_dtype=self.kv_cache_dtype"):
         assert arg in build, arg
     assert isinstance(envs.VLLM_CPU_ATTN_SPLIT_KV, bool)
+
+
+def test_cpu_backend_picks_each_groups_isa_as_the_start_up_check_predicts():
+    # bridge/runner.py start_up_isa: the K/V layout check runs at start-up,
+    # before the cache exists, on the ISA the metadata builder will give
+    # each layer (layer.isa, which the cache writer and the first step's
+    # check read): _get_attn_isa(model dtype, block size, head size, cache dtype).
+    from vllm.v1.attention.backends.cpu_attn import (
+        CPUAttentionMetadataBuilder, _get_attn_isa)
+
+    assert params(_get_attn_isa) == ["dtype", "block_size", "head_size", "kv_cache_dtype"]
+    init = " ".join(inspect.getsource(CPUAttentionMetadataBuilder.__init__).split())
+    for line in ("self.dtype = vllm_config.model_config.dtype",
+                 "self.block_size = kv_cache_spec.block_size",
+                 "self.head_dim = kv_cache_spec.head_size",
+                 "self.kv_cache_dtype = vllm_config.cache_config.cache_dtype",
+                 "self.isa = _get_attn_isa( self.dtype, self.block_size, self.head_dim, "
+                 "self.kv_cache_dtype, )",
+                 "self._set_isa_to_layers(layer_names)"):
+        assert line in init, line
+    assert "layer.isa = self.isa" in inspect.getsource(
+        CPUAttentionMetadataBuilder._set_isa_to_layers)

@@ -190,6 +190,8 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.build",
     "vllm._custom_ops:cpu_attn_get_scheduler_metadata",
+    "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
 )
 
 

@@ -107,12 +107,29 @@ def tree_refusal(runner) -> str | None:
     if getattr(runner, "uses_mrope", False):
         why = "tree drafts need plain rotary positions (this model uses M-RoPE)"
     if why is None:
-        why = tree_step.tree_refusal(runner.get_model())
+        why = tree_step.tree_refusal(runner.get_model(), start_up_isa(runner.vllm_config))
     options = getattr(runner.vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR, None) or {}
     if why is not None and options.get("draft_shape") == "tree":
         raise ValueError(f"draft_shape='tree' cannot be served here: {why}; "
                          "use draft_shape='chain'")
     return why
+
+
+def start_up_isa(vllm_config):
+    """impl -> the kernel ISA vLLM's CPU backend will give that layer once
+    the cache exists: CPUAttentionMetadataBuilder.__init__ calls
+    ``_get_attn_isa(model dtype, block size, head size, cache dtype)``, the
+    block size being the cache's (the backend's kernels take any multiple of
+    32). Lets a tree refusal for the cache layout come at start-up."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    dtype = vllm_config.model_config.dtype
+    cache = vllm_config.cache_config
+
+    def isa_of(impl) -> str:
+        return _get_attn_isa(dtype, cache.block_size, impl.head_size, cache.cache_dtype)
+
+    return isa_of
 
 
 def wrap_prepare_inputs(original):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from vllm_plugins.kernels.cache_layout import cpu_cache_views
+from vllm_plugins.kernels.cache_layout import cpu_cache_views, layout_refusal
 from vllm_plugins.kernels.kv_move import move_kv_layers
 from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
                                                  tree_attention_planned)
@@ -333,20 +333,24 @@ def unsupported_attention(impl) -> str | None:
     return None
 
 
-def tree_refusal(model) -> str | None:
+def tree_refusal(model, isa_of=None) -> str | None:
     """Why this runner's model cannot serve tree steps, or None. The CPU
-    backend picks its kernel ISA per layer (``layer.isa``) once the cache
-    exists: call again then."""
+    backend sets each layer's kernel ISA (``layer.isa``, which decides the
+    K/V layout: ``kernels.cache_layout.layout_refusal``) once the cache
+    exists; before that, ``isa_of(impl)`` predicts it."""
     for module in model.modules():
         impl = getattr(module, "impl", None)
         if impl is not None and hasattr(impl, "do_kv_cache_update"):
             why = unsupported_attention(impl)
             if why:
                 return why
-            if getattr(module, "isa", None) == "amx":
-                # kernels/cache_layout.py: AMX packs keys in an order no
-                # strided view describes.
-                return "tree drafts cannot read the CPU backend's AMX key layout"
+            isa = getattr(module, "isa", None)
+            if isa is None and isa_of is not None and \
+                    getattr(impl, "attn_type", "decoder") == "decoder":
+                isa = isa_of(impl)
+            why = None if isa is None else layout_refusal(isa)
+            if why:
+                return why
     return None
 
 
