@@ -87,7 +87,7 @@ def test_plain_request_is_not_stalled_by_a_compiling_schema(llm):
     queued behind the compile. (The running request's longest gap is
     printed, not checked: on vLLM's CPU build the worker process compiles
     the matcher once more when the grammar request enters the batch; see
-    docs/grammar.md, "Where the worker runs".)"""
+    docs/grammar_design.md, "Where the worker runs".)"""
     from vllm_plugins.bench.grammar_compile_ttft import measure
 
     res = measure(llm, alternatives=600)

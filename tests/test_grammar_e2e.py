@@ -35,7 +35,7 @@ ENGINE_KW = dict(
 # Ten dev schemas (both splits; flat and nested objects, enums, arrays, format
 # "date", required lists) whose greedy output from the default model finishes
 # well inside MAX_TOKENS: they were picked from a 40-schema sweep in which
-# 23/40 finished within 400 tokens and all 23 validated (docs/grammar.md).
+# 23/40 finished within 400 tokens and all 23 validated.
 # A truncated output still counts as a failure here.
 E2E_SCHEMAS = [
     "calculate_area_eda9f9ab.json",

@@ -13,11 +13,11 @@ matcher accepting (EOS allowed) at the end.
 * schemas llguidance refuses (unimplemented keywords, remote refs, ...) are
   counted, not tested: such a request is refused at admission;
 * a valid instance rejected, or an invalid instance accepted, is a *gap*.
-  Known gaps are listed in ``tests/data/grammar_suite_known_gaps.json`` (and in
-  docs/grammar.md); the test fails on any gap not listed there, and if fewer
+  Known gaps are listed in ``tests/data/grammar_suite_known_gaps.json`` (their causes in
+  docs/grammar_design.md); the test fails on any gap not listed there, and if fewer
   schemas compile than recorded.
 
-Regenerate the list (after an llguidance upgrade) and print the docs section::
+Regenerate the list (after an llguidance upgrade) and print a per-file summary::
 
     python tests/test_grammar_json_schema_suite.py --update
 """
@@ -201,7 +201,7 @@ def refusal_categories(reasons: collections.Counter) -> collections.Counter:
 
 
 def docs_section(res: SuiteResult) -> str:
-    """Markdown for docs/grammar.md (printed by --update)."""
+    """A per-file markdown summary of the suite (printed by --update)."""
     lines = ["| file | schemas | compiled | valid rejected | invalid accepted |", "| --- | ---: | ---: | ---: | ---: |"]
     for name, (groups, compiled) in res.per_file.items():
         vr, ia = len(res.valid_rejected.get(name, ())), len(res.invalid_accepted.get(name, ()))
