@@ -17,6 +17,7 @@ def reference(logits, k):
     (37, 49152, 8),       # a batch of verified rows
     (5, 32000 + 37, 8),   # a partial last block
     (3, 49152, 64),       # STAND's largest top-k
+    (9, 262144, 8),       # a 262k vocabulary: rows in several chunks
     (4, BLOCK * 9 + 5, 8),  # barely more blocks than k: the tail matters
     (2, 100, 8),          # fewer blocks than k: plain torch.topk
     (0, 49152, 8),        # no rows
@@ -52,3 +53,41 @@ def test_masked_logits_and_ties():
     assert torch.isneginf(lp[0, 4:]).all()
     torch.testing.assert_close(lp[1], ref_lp[1])
     assert len(set(ids[1].tolist())) == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_logits(dtype):
+    """Half-precision logits (a bf16 or fp16 target) give the top-k and the
+    log-probabilities of their float32 values."""
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 262144, generator=g) * 4).to(dtype)
+    lp, ids = topk_logprobs(logits, 8)
+    ref_lp, ref_ids = reference(logits.float(), 8)
+    assert lp.dtype == torch.float32
+    # Half precision ties often: compare the values at the ids.
+    torch.testing.assert_close(logits.float().gather(1, ids),
+                               logits.float().gather(1, ref_ids), rtol=0, atol=0)
+    torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_buffer_the_size_of_the_logits(dtype):
+    """At a 262k vocabulary the call's largest allocation is a few rows,
+    not a [rows, vocab] float32 tensor (writing and faulting one in cost as
+    much as the arithmetic), whatever the number of threads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    rows, vocab = 24, 262144
+    logits = torch.randn(rows, vocab).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                lp, ids = topk_logprobs(logits, 8)
+            largest = max(e.cpu_memory_usage for e in prof.events())
+            assert largest <= n * vocab * 4 < rows * vocab * 4
+            values = logits.float().gather(1, ids)  # ids of ties may differ
+            assert torch.equal(values, logits.float().gather(1, reference(logits.float(), 8)[1]))
+    finally:
+        torch.set_num_threads(threads)

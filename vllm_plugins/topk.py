@@ -1,14 +1,27 @@
 """The target's top-k per logits row, with log-probabilities, cheaply on CPU.
 
 The bridge extracts the top-k of every verified row each awake step for the
-proposers that learn from the target (Token Recycling, STAND). On CPU,
-``torch.topk`` over a 49k vocabulary was most of the bridge's own work on
-an awake step. Here the vocabulary is cut into blocks of
-``BLOCK`` logits: one pass takes every block's maximum, the k best blocks
-are the only ones that can hold a top-k logit (each holds at least one logit
-at or above the k-th largest, and there are at most k such blocks), and the
-exact top-k is taken among their ``k * BLOCK`` logits. The log-probabilities
-come from one fused ``log_softmax`` pass.
+proposers that learn from the target (Token Recycling, STAND). Both halves
+of that work grow with the vocabulary, and on CPU both were most of the
+bridge's own work on an awake step:
+
+- The ids. ``torch.topk`` over the whole row is slow on CPU. Here the
+  vocabulary is cut into blocks of ``BLOCK`` logits: one pass takes every
+  block's maximum, the k best blocks are the only ones that can hold a
+  top-k logit (each holds at least one logit at or above the k-th largest,
+  and there are at most k such blocks), and the exact top-k is taken among
+  their ``k * BLOCK`` logits.
+- The log-probabilities need each row's normaliser, a pass of ``exp`` over
+  the whole row that nothing avoids. A ``log_softmax`` of all rows at once
+  wrote a fresh [rows, vocab] float32 tensor only to read k values of each
+  row: at a 262k vocabulary and 112 verified rows, 112 MiB allocated and
+  faulted in, which cost as much as the arithmetic. ``log_softmax`` (one
+  fused kernel) now goes a few rows at a time into one small buffer, sized
+  to stay in cache, with a row per thread so a multi-threaded engine still
+  spreads the rows over its cores.
+
+Logits in bfloat16 or float16 are read as they are (their float32 values
+are the same, in the same order) and never copied whole to float32.
 """
 
 from __future__ import annotations
@@ -16,31 +29,59 @@ from __future__ import annotations
 import torch
 
 BLOCK = 64
+# Rows of log_softmax output per thread per chunk: about this many bytes.
+CHUNK_BYTES = 1 << 20
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probabilities, token ids) of the k largest logits of every row,
-    largest first; the same values and ids as ``torch.topk`` plus
-    ``logsumexp`` (ids of exactly tied logits may come in another order)."""
-    logits = logits.float()
+    """(float32 log-probabilities, int64 token ids) of the k largest logits
+    of every row, largest first; the same values and ids as ``torch.topk``
+    plus ``logsumexp`` on the float32 logits (ids of exactly tied logits may
+    come in another order)."""
     rows, vocab = logits.shape
     k = min(k, vocab)
+    if logits.device.type != "cpu" or rows == 0:
+        x = logits.float()
+        vals, ids = torch.topk(x, k, dim=-1)
+        return vals - torch.logsumexp(x, dim=-1, keepdim=True), ids
+    logits = logits.contiguous()
+    ids = topk_ids(logits, k)
+    return logprobs_at(logits, ids), ids
+
+
+def topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The ids of the k largest logits of every row of a contiguous CPU
+    tensor, largest first, by the block maxima."""
+    rows, vocab = logits.shape
     blocks = vocab // BLOCK
-    if logits.device.type != "cpu" or rows == 0 or blocks <= k:
-        vals, ids = torch.topk(logits, k, dim=-1)
-        return vals - torch.logsumexp(logits, dim=-1, keepdim=True), ids
-    # Block j holds columns j, j + blocks, j + 2 * blocks, ...: any
-    # partition is exact, and this one reduces with contiguous strides.
-    body = logits[:, :blocks * BLOCK].view(rows, BLOCK, blocks)
-    best = torch.topk(body.amax(1), k, dim=-1).indices                # (rows, k)
-    cand = torch.gather(body, 2, best[:, None, :].expand(rows, BLOCK, k))
-    cand_ids = (torch.arange(BLOCK, device=logits.device)[None, :, None] * blocks
-                + best[:, None, :])
+    if blocks <= k:
+        return torch.topk(logits, k, dim=-1).indices
+    # Block j holds columns j * BLOCK .. (j + 1) * BLOCK - 1: any partition
+    # is exact, and at a 262k vocabulary contiguous blocks reduce faster
+    # than strided ones (every blocks-th column).
+    body = logits[:, :blocks * BLOCK].view(rows, blocks, BLOCK)
+    best = torch.topk(body.amax(2), k, dim=-1).indices                # (rows, k)
+    cand = torch.gather(body, 1, best[:, :, None].expand(rows, k, BLOCK))
+    cand_ids = (best[:, :, None] * BLOCK
+                + torch.arange(BLOCK, device=logits.device)[None, None, :])
     cand, cand_ids = cand.reshape(rows, -1), cand_ids.reshape(rows, -1)
     if vocab > blocks * BLOCK:  # the last, partial block: always a candidate
         cand = torch.cat([cand, logits[:, blocks * BLOCK:]], 1)
         cand_ids = torch.cat([cand_ids, torch.arange(
             blocks * BLOCK, vocab, device=logits.device).expand(rows, -1)], 1)
-    ids = cand_ids.gather(1, torch.topk(cand, k, dim=-1).indices)
-    # log_softmax is one fused pass; logsumexp and exp-then-sum cost more.
-    return torch.log_softmax(logits, dim=-1).gather(1, ids), ids
+    return cand_ids.gather(1, torch.topk(cand, k, dim=-1).indices)
+
+
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float())`` at ``ids`` (rows x n), in float32,
+    a chunk of rows at a time through one reused buffer."""
+    rows, vocab = logits.shape
+    per = max(1, CHUNK_BYTES // (4 * vocab)) * max(1, torch.get_num_threads())
+    out = torch.empty(ids.shape, dtype=torch.float32)
+    buf = torch.empty(min(per, rows), vocab, dtype=torch.float32)
+    for start in range(0, rows, per):
+        stop = min(start + per, rows)
+        chunk = buf[:stop - start]
+        torch.log_softmax(logits[start:stop], -1, dtype=torch.float32, out=chunk)
+        torch.gather(chunk, 1, ids[start:stop], out=out[start:stop])
+    return out
