@@ -68,6 +68,7 @@ from .grammar_engine import (  # noqa: F401  (the processor's public names)
     FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests)
 from .grammar_state import FAILURE_TEXT, GrammarRequest, apply_masks
 from .grammar_verification import DraftedRows
+from .log_once import LogOnce
 from vllm_plugins.grammar.runtime import GrammarRuntime, runtime_for
 from vllm_plugins.grammar.spec import (
     GRAMMAR_KEY,
@@ -114,7 +115,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
         self._failure_tokens: list[int] | None = None  # FAILURE_TEXT, tokenized
         # V1: batch index -> request. V2: persistent slot -> request.
         self._reqs: dict[int, GrammarRequest] = {}
-        self._logged: set[str] = set()
+        self._logged = LogOnce()  # bounded: keys may carry request text
         # ASAp tries of "aligned" requests, built at the first one; the cap is
         # read (and a bad value refused) at engine start.
         self._asap: AsapStore | None = None
@@ -177,8 +178,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
 
     # --------------------------------------------------------------- helpers
     def _log_once(self, key: str, msg: str, *args: Any) -> None:
-        if key not in self._logged:
-            self._logged.add(key)
+        if self._logged.first(key):
             logger.warning(msg, *args)
 
     def _get_runtime(self) -> GrammarRuntime | None:
