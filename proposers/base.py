@@ -39,7 +39,7 @@ class PluginProposer:
     CAN_REST = False
     # Whether the draft-length policy may choose which nodes of this
     # method's draft trees to verify (a node subset closed under ancestors,
-    # re-laid; docs/draft_length.md, "Trees"), rather than cut each tree to
+    # re-laid; docs/draft_length_design.md, "Trees"), rather than cut each tree to
     # a prefix. The method then learns from the drafts ``proposed`` gets.
     SHAPES_TREES = False
 
@@ -199,7 +199,7 @@ class PluginProposer:
             # Trees grow where the context copies, over long prompts whose
             # steps cost more at any token count: without the context term
             # the tree-step and per-token costs take that up
-            # (docs/draft_length.md, "Trees").
+            # (docs/draft_length_design.md, "Trees").
             options = {"cost_features": "tokens+batch+context", **(options or {})}
         return make_controller(name, options, self.max_draft)
 

@@ -23,7 +23,7 @@ largest batch seen. Tables and walk: ``token_recycling_tables``.
 ``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
 sampling the tree path cannot serve (``vllm_plugins.tree.sampling.tree_allowed``) keep the
 chain. The ``goodput`` policy then chooses which nodes to verify each step
-(docs/draft_length.md, "Trees"); ``fixed`` verifies them all.
+(docs/draft_length_design.md, "Trees"); ``fixed`` verifies them all.
 """
 
 from __future__ import annotations

@@ -344,7 +344,7 @@ def test_token_recycling_tree_defaults_to_the_tree_policy_and_refuses_chain_read
 
 def test_trees_price_steps_at_their_context_unless_told_otherwise():
     """Goodput over trees fits the step cost with the context term by
-    default (docs/draft_length.md, "Trees"); over chains without it; an
+    default (docs/draft_length_design.md, "Trees"); over chains without it; an
     explicit ``cost_features`` wins either way."""
     from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
 

@@ -1,7 +1,7 @@
 """Per-request acceptance estimates: how likely each draft position is accepted.
 
 Every estimating policy (acceptance, confidence, goodput) reads these; see
-``AcceptanceEstimator`` for the model and docs/draft_length.md for why it
+``AcceptanceEstimator`` for the model and docs/draft_length_design.md for why it
 is shaped so.
 """
 

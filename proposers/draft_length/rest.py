@@ -41,7 +41,7 @@ class ModeRates:
         # Awake steps: the tokens the rule's prediction promised in the same time.
         self.promised = np.zeros(self._CELLS)
         # Our own seconds per step (top-k extraction and proposer), per mode:
-        # reported, not decided on (docs/draft_length.md says why).
+        # reported, not decided on (docs/draft_length_design.md says why).
         self.own = np.zeros((2, self._CELLS))
         self.own_count = np.zeros((2, self._CELLS))
         self._decay = 0.5 ** (1.0 / self._HALF_LIFE)

@@ -36,12 +36,12 @@ class StepCostModel:
     (which rest) differ in the intercept as well as in tokens, and the
     slope takes up the difference.
 
-    Three step-level terms (docs/draft_length.md):
+    Three step-level terms (docs/draft_length_design.md):
 
     - ``verifies`` is 1 for a step that verified at least one draft: vLLM's
       speculative path costs a fixed extra beyond the line through steps
       with drafts (``stats()["cost_model"]["verify_step_s"]`` reports the
-      fit; docs/draft_length.md).
+      fit; docs/draft_length_design.md).
     - ``new_shape`` is 1 for a step whose token count was not among the last
       ``shape_cache`` distinct counts. vLLM's CPU linear layers build a
       oneDNN kernel per token count and keep 32 per layer

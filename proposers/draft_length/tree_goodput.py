@@ -109,7 +109,7 @@ class TreeStep:
 
 
 class TreeGoodputController(GoodputController):
-    """``goodput`` with tree drafts chosen node by node (docs/draft_length.md,
+    """``goodput`` with tree drafts chosen node by node (docs/draft_length_design.md,
     "Trees"). Rows without a tree (chains, or a proposer that does not let
     the policy shape its trees) go through ``GoodputController`` unchanged,
     in the same allocation."""

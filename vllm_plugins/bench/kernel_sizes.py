@@ -4,7 +4,7 @@ vLLM's CPU build runs every unquantized linear layer through ``onednn_mm``
 with a handler that builds a oneDNN kernel per input row count (the step's
 token count) and keeps 32 of them (``create_onednn_mm(weight, 32)`` in
 ``vllm.model_executor.layers.utils``). The goodput controller's cost model
-has a term for that (``new_shape_s``, docs/draft_length.md); this measures
+has a term for that (``new_shape_s``, docs/draft_length_design.md); this measures
 it directly, on the default model's MLP shape:
 
     python -m vllm_plugins.bench kernel-sizes [--rows 16,32,48,64,112] [--cache 32]

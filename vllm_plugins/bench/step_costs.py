@@ -1,7 +1,7 @@
 """What a verification step costs by its token count, chain against tree.
 
 The goodput policy fits the engine's step time online as a line with a few
-step-level terms (docs/draft_length.md). This measures the curve itself, one
+step-level terms (docs/draft_length_design.md). This measures the curve itself, one
 request at a time: two engines in this process, Token Recycling drafting up
 to ``--nodes`` nodes at every step (``draft_length`` fixed, no confidence
 floor) as a chain in one and as a tree in the other, each prompt run on both
