@@ -61,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import Option, flag, integer, number, unit_float
+from vllm_plugins.proposers import stand_debug
 from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token, trim
 from vllm_plugins.proposers.stand_draws import KindCalibration, draft_distribution
 from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
@@ -96,20 +97,6 @@ class StandProposer(PluginProposer):
         # without structured outputs under a prefix-causal draft-length
         # controller; the rest draft chains.
         Option("draft_shape", "chain", str, choices=("chain", "tree")),
-        # TEST ONLY: "uniform" hands vLLM a uniform row over the drafted
-        # distribution's support instead of the distribution the token was
-        # drawn from. That is dishonest and biases sampled output; it exists so
-        # the exactness test can show it catches a biased proposer.
-        # "drawn" hands the distribution drawn from even where vLLM's
-        # verification depends on the drawn token (structured outputs, rule
-        # 3), which biases those requests. "argmax" drafts the distribution's
-        # most probable token but hands the distribution as if it had been
-        # drawn from it, on every request: output leans to the mode.
-        # "per_request": exact, except for requests whose
-        # SamplingParams.extra_args has {"stand_debug_probs": <one of these>}
-        # (one engine serves both sides of the test).
-        Option("debug_probs", "exact", str,
-               choices=("exact", "uniform", "drawn", "argmax", "per_request")),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
 
@@ -120,6 +107,8 @@ class StandProposer(PluginProposer):
         if self.vocab_size is None:
             raise ValueError("stand needs the vocabulary size")
         self.max_order = o["max_order"]
+        # The exactness tests' dishonest rows (proposers/stand_debug.py).
+        self.debug_probs = stand_debug.engine_mode()
         self.stores: OrderedDict[object, NgramStore] = OrderedDict()
         self._live: dict[object, int] = {}  # store key -> live requests
         self._req_key: dict[str, object] = {}
@@ -516,11 +505,7 @@ class StandProposer(PluginProposer):
         return np.asarray(tokens, dtype=np.int64)
 
     def _debug_mode(self, params) -> str:
-        mode = self.options["debug_probs"]
-        if mode == "per_request":
-            extra = getattr(params, "extra_args", None) or {}
-            mode = extra.get("stand_debug_probs", "exact")
-        return mode
+        return stand_debug.request_mode(self.debug_probs, params)
 
     # ------------------------------------------------------------ metrics
     def memory_bytes(self) -> int:

@@ -1,11 +1,14 @@
 """STAND: store, drafting, probability rows, and exactness against a numpy
 model of vLLM's rejection sampler (fast; no engine)."""
 
+import os
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 
+from vllm_plugins.proposers import stand_debug
 from vllm_plugins.proposers.stand import StandProposer, draft_distribution
 from vllm_plugins.step_context import RequestStep, StepContext
 
@@ -361,9 +364,10 @@ def _run_exactness(p, temperature, trials, seed=0, extra_args=None, banned=()):
 def _exactness_proposer(debug="exact"):
     # The store believes something else than the target: q != p, and the
     # second position's distribution (and whether it is drafted at all)
-    # depends on the first drafted token.
-    p = proposer(min_path_prob=0.3, max_order=1, share="request", debug_probs=debug,
-                 calibrate=True)
+    # depends on the first drafted token. ``debug``: the test hook's mode
+    # (proposers/stand_debug.py), read when the proposer is built.
+    with mock.patch.dict(os.environ, {stand_debug.ENV: debug}):
+        p = proposer(min_path_prob=0.3, max_order=1, share="request", calibrate=True)
     ctx = StepContext([req("a", [1, 2, 3, 4, 6, 7], [4, 6, 7], verified=[3, 4, 6],
                            topk=[[(4, 0.7), (6, 0.2), (0, 0.05)],
                                  [(0, 0.3), (5, 0.3), (6, 0.2)],
@@ -380,6 +384,17 @@ def test_rejection_sampling_with_our_rows_keeps_the_target_distribution(temperat
 
 def test_the_exactness_check_catches_dishonest_rows():
     assert _run_exactness(_exactness_proposer("uniform"), 1.0, 6000) < 1e-4
+
+
+def test_dishonest_rows_are_a_test_hook_not_an_option():
+    from vllm_plugins.registry import translate
+
+    with pytest.raises(ValueError, match="debug_probs"):
+        translate({"method": "stand", "debug_probs": "uniform"})
+    assert proposer().debug_probs == "exact"
+    with mock.patch.dict(os.environ, {stand_debug.ENV: "sideways"}):
+        with pytest.raises(ValueError, match=stand_debug.ENV):
+            proposer()
 
 
 def test_per_request_debug_rows_only_for_the_marked_request():
@@ -411,7 +426,7 @@ def test_honest_rows_under_a_grammar_cut_are_caught_as_biased():
 
 
 def test_the_exactness_check_catches_argmax_drafts_with_drawn_rows():
-    """debug_probs "argmax", the structured-output e2e test's control."""
+    """The hook's "argmax", the structured-output e2e test's control."""
     assert _run_exactness(_exactness_proposer("argmax"), 1.0, 6000) < 1e-4
 
 

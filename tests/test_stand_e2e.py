@@ -4,7 +4,9 @@ The reference is the session's engine without speculation
 (tests/conftest.py); everything it must produce is computed in one fixture.
 """
 
+import os
 from collections import Counter
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -26,7 +28,10 @@ CHI_TOKENS = 4
 # shapes each draft) is verified whatever the host's step timings are; the
 # default "goodput" trims by measured step cost, which would make these
 # tests' power depend on the machine's load.
-SPEC = {"method": "stand", "draft_length": "fixed", "debug_probs": "per_request"}
+SPEC = {"method": "stand", "draft_length": "fixed"}
+# The dishonest-rows control is a test hook (proposers/stand_debug.py), set
+# while the engine builds its proposer: requests marked DISHONEST get it.
+DEBUG_HOOK = {"VLLM_PLUGINS_STAND_DEBUG_PROBS": "per_request"}
 DISHONEST = {"stand_debug_probs": "uniform"}
 
 
@@ -142,7 +147,8 @@ def reference(base, prompts, tokenizer):
 
 @pytest.fixture(scope="module")
 def stand(model_path, reference):
-    llm = engine(model_path, SPEC)
+    with mock.patch.dict(os.environ, DEBUG_HOOK):
+        llm = engine(model_path, SPEC)
     yield llm
     shutdown(llm)
 

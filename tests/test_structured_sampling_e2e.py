@@ -8,15 +8,18 @@ engine without speculation); a request marked to get dishonest rows anyway is
 the control the same test must catch.
 """
 
+import os
+from unittest import mock
+
 import pytest
 
 from tests.conftest import shutdown
-from tests.test_stand_e2e import RGB, homogeneity_pvalue
+from tests.test_stand_e2e import DEBUG_HOOK, RGB, homogeneity_pvalue
 
 pytestmark = pytest.mark.slow
 
 METHOD = "stand"
-SPEC = {"method": METHOD, "draft_length": "fixed", "debug_probs": "per_request"}
+SPEC = {"method": METHOD, "draft_length": "fixed"}
 # Drafts the mode, hands rows as if drawn: output leans to the mode.
 DISHONEST = {"stand_debug_probs": "argmax"}
 # The prompt's words, and one it never shows: every position is constrained,
@@ -65,7 +68,8 @@ def reference(base, prompt):
 def stand(model_path, reference):
     from vllm_plugins.bench.engines import build_engine
 
-    llm = build_engine(model_path, SPEC, max_num_seqs=64, max_model_len=1024)
+    with mock.patch.dict(os.environ, DEBUG_HOOK):
+        llm = build_engine(model_path, SPEC, max_num_seqs=64, max_model_len=1024)
     yield llm
     shutdown(llm)
 
