@@ -21,10 +21,19 @@ ENTRY = "-m vllm_plugins.bench"
 SHELL_END = {"|", ";", "&&", "||", ">", ">>", "2>&1", "&"}
 
 
+def joined(text: str) -> str:
+    """``text`` with shell continuations joined, and inline code spans that
+    wrap a line joined, outside fenced blocks."""
+    parts = re.split(r"(?ms)(^```.*?^```)", text)
+    for i in range(0, len(parts), 2):                 # prose between fences
+        parts[i] = re.sub(r"`[^`]+`", lambda m: m.group(0).replace("\n", " "), parts[i])
+    return re.sub(r"\\\n\s*", " ", "".join(parts))
+
+
 def doc_commands(text: str) -> list[list[str]]:
-    """The argument lists after ``python -m vllm_plugins.bench`` in ``text``:
-    fenced blocks with their backslash continuations joined, and inline code."""
-    text = re.sub(r"\\\n\s*", " ", text)
+    """The argument lists after ``python -m vllm_plugins.bench`` in ``text``
+    (fenced blocks and inline code); ``<what>`` and the like name no command."""
+    text = joined(text)
     commands = []
     for line in text.splitlines():
         for chunk in re.findall(r"`([^`]*)`", line) or [line]:
@@ -33,7 +42,8 @@ def doc_commands(text: str) -> list[list[str]]:
                 continue
             words = shlex.split(chunk[at + len(ENTRY):], comments=True)
             cut = next((i for i, w in enumerate(words) if w in SHELL_END), len(words))
-            commands.append(words[:cut])
+            if not (words and words[0].startswith("<")):
+                commands.append(words[:cut])
     return commands
 
 
@@ -72,7 +82,7 @@ def test_every_subcommand_has_help(name, capsys):
 def test_docs_print_no_other_benchmark_entry_point():
     """The modules behind the subcommands are not entry points of their own."""
     old = [(p.name, m) for p in DOCS
-           for m in re.findall(r"-m vllm_plugins\.bench\.(\w+)", p.read_text())]
+           for m in re.findall(r"-m\s+vllm_plugins\.bench\.(\w+)", joined(p.read_text()))]
     assert not old, f"commands through a bench module, not the subcommand: {old}"
 
 
@@ -94,6 +104,6 @@ def test_every_doc_command_parses():
 
 def test_a_wrong_doc_command_fails_to_parse():
     """The check above can fail: a misspelt option is an argparse error."""
-    [words] = doc_commands("```bash\npython -m vllm_plugins.bench methods --batch-sise 8\n```")
+    [words] = doc_commands("see `python -m vllm_plugins.bench methods\n--batch-sise 8`.")
     with pytest.raises(SystemExit):
         load(words[0]).parse_args(words[1:])

@@ -33,7 +33,7 @@ PATH_RE = re.compile(r"(?<![\w./~-])((?:vllm_plugins|proposers|logits_processors
 def code_spans(text: str) -> list[str]:
     """Inline code spans outside fenced blocks."""
     text = re.sub(r"(?ms)^```.*?^```", "", text)
-    return [s.strip() for s in re.findall(r"`([^`\n]+)`", text)]
+    return [" ".join(s.split()) for s in re.findall(r"`([^`]+)`", text)]   # a span may wrap
 
 
 def references(text: str) -> list[tuple[str, str]]:
