@@ -79,11 +79,31 @@ def test_every_subcommand_has_help(name, capsys):
     assert f"python -m vllm_plugins.bench {name}" in capsys.readouterr().out
 
 
+def test_every_bench_module_with_a_main_is_a_subcommand():
+    """One command: a bench module that runs on its own is reached as a
+    subcommand, and no module but __main__ is an entry point."""
+    import ast
+
+    bench = ROOT / "vllm_plugins" / "bench"
+    served = {load(name).__name__.rsplit(".", 1)[1] for name in SUBCOMMANDS}
+    for f in sorted(bench.glob("*.py")):
+        if f.stem == "__main__":
+            continue
+        tree = ast.parse(f.read_text())
+        has_main = any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body)
+        assert not has_main or f.stem in served, (
+            f"vllm_plugins/bench/{f.name} has a main(): add it to SUBCOMMANDS in "
+            "vllm_plugins/bench/__main__.py (python -m vllm_plugins.bench <what>)")
+        assert "__name__ == \"__main__\"" not in f.read_text(), (
+            f"vllm_plugins/bench/{f.name} is an entry point of its own; run it as a subcommand")
+
+
 def test_docs_print_no_other_benchmark_entry_point():
     """The modules behind the subcommands are not entry points of their own."""
     old = [(p.name, m) for p in DOCS
            for m in re.findall(r"-m\s+vllm_plugins\.bench\.(\w+)", joined(p.read_text()))]
-    assert not old, f"commands through a bench module, not the subcommand: {old}"
+    assert not old, (f"commands through a bench module, not `python -m vllm_plugins.bench "
+                     f"<what>` (SUBCOMMANDS in vllm_plugins/bench/__main__.py): {old}")
 
 
 def test_every_subcommand_backs_a_section_of_benchmarks_md():
