@@ -492,3 +492,46 @@ def test_a_rest_ends_when_a_root_child_it_cut_would_have_been_accepted(accepted)
     assert obs.resting and c.tree_nodes_observed == before + 2   # both root children
     assert (c.rest.left == 0) == accepted, c.rest.left
     assert c.rest.length == (c.rest._REST_MIN if accepted else 8)
+
+
+def _drafted_to_budget(cost, steps: int, budgeted: bool, **world):
+    """(tokens per second, mean nodes drafted a step over the second half)
+    of the tree policy in a world whose trees are best first, each row's
+    tree cut to ``max_length`` when ``budgeted`` (as Token Recycling builds
+    it) or offered whole."""
+    c = tree_controller(16)
+    w = TreeWorld(2, cost, nodes=16, **world)
+    out, drafted = None, []
+    for _ in range(steps):
+        ctx = w.context_for(out)
+        observation = c.observe(ctx)
+        if observation.resting:
+            out = Drafts([[] for _ in ctx.requests])
+            continue
+        d = w.drafts()
+        if budgeted:
+            for i, r in enumerate(ctx.requests):
+                b = c.max_length(r.req_id, observation)
+                d.tokens[i], d.parents[i] = d.tokens[i][:b], d.parents[i][:b]
+                d.confidence[i] = d.confidence[i][:b]
+        drafted.append(sum(map(len, d.tokens)))
+        out = c.shape(ctx, d, observation)
+    return w.emitted_total / w.seconds_total, float(np.mean(drafted[len(drafted) // 2:]))
+
+
+@pytest.mark.parametrize("cost,fewer", [(Cost(0.07, 0.0038, 0.003), True),
+                                         (Cost(0.02, 0.00002, 0.0005), False)])
+def test_trees_are_drafted_to_what_the_rule_keeps(cost, fewer):
+    """A tree row's budget follows the nodes the rule kept: where drafts are
+    often wrong and each verified token costs (this CPU's curve) the
+    proposer builds about half of ``num_speculative_tokens``, at the same
+    goodput; where verified tokens are nearly free, all of it."""
+    world = {"root_children": (0.3, 0.1, 0.05), "children": (0.5, 0.1)}
+    whole_rate, whole_nodes = _drafted_to_budget(cost, 400, False, **world)
+    rate, nodes = _drafted_to_budget(cost, 400, True, **world)
+    assert whole_nodes == 32
+    if fewer:
+        assert nodes < 0.6 * whole_nodes, nodes
+    else:
+        assert nodes > 0.9 * whole_nodes, nodes
+    assert rate > 0.97 * whole_rate, (rate, whole_rate)

@@ -116,6 +116,11 @@ class TreeGoodputController(GoodputController):
 
     name = "goodput"
     _TREE_PROBE_GAP = 64   # steps: at most 1 in 64 forced to verify trees
+    # A tree row's node budget: twice the nodes it kept last step, plus this
+    # many, so the proposer builds what the rule can keep and the nodes just
+    # past its cut (which calibration learns the cut from), not the whole
+    # ``num_speculative_tokens`` every step (``max_length``).
+    _NODE_MARGIN = 4
 
     def __init__(self, max_draft: int, options: dict):
         super().__init__(max_draft, options)
@@ -126,6 +131,7 @@ class TreeGoodputController(GoodputController):
         self._verified_a_tree = False
         self._tree_probe_at = -self._TREE_PROBE_GAP
         self.tree_probes = 0
+        self._kept_nodes: dict[str, int] = {}   # request -> nodes its tree kept last step
         self.tree_rows = 0            # request-steps that offered a tree
         self.tree_nodes_offered = 0
         self.tree_nodes_kept = 0
@@ -135,6 +141,18 @@ class TreeGoodputController(GoodputController):
     def free(self, req_id: str) -> None:
         super().free(req_id)
         self._sent.pop(req_id, None)
+        self._kept_nodes.pop(req_id, None)
+
+    def max_length(self, req_id: str, observation: Observation) -> int:
+        """A tree row's node budget, from what it kept last step (the
+        builders are best-first, so the first nodes are the ones the rule
+        keeps); the whole budget on exploring steps and tree probes, and for
+        a request whose tree has not been read yet."""
+        bound = super().max_length(req_id, observation)
+        kept = self._kept_nodes.get(req_id)
+        if kept is None or observation.explore_cap is not None or self._tree_probe_due():
+            return bound
+        return min(bound, 2 * kept + self._NODE_MARGIN)
 
     # ------------------------------------------------------------ observe
     def _learn_trees(self, ctx: StepContext, rows: np.ndarray):
@@ -343,6 +361,7 @@ class TreeGoodputController(GoodputController):
                 nodes = t.path[:k]
                 parents = list(range(-1, k - 1))
             self._layouts[t.index] = (nodes, parents)
+            self._kept_nodes[ctx.requests[t.index].req_id] = k
             r = ctx.requests[t.index]
             self._sent[r.req_id] = SentTree(
                 t.tokens, t.parents, t.depth, t.conf, t.q_raw, np.asarray(nodes, np.int64),
