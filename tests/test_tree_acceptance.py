@@ -301,3 +301,25 @@ def test_a_seeded_request_draws_only_from_its_own_generator(with_rows):
             q_rows[1:2], [seeded(100 + trial)])
         assert batch[1] == alone[0]
         assert batch[1].tokens[:-1] == [tokens[1][n] for n in batch[1].nodes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_first_argmax_is_argmax_with_ties_anywhere(dtype):
+    """Tree acceptance reads greedy tokens through ``first_argmax``; it must
+    pick what argmax (vLLM's greedy sampler) picks, ties included, wherever
+    the tied maxima fall in a vocabulary-sized row."""
+    from vllm_plugins.tree.acceptance import first_argmax
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 49152
+    rows = torch.randn(40, vocab, generator=gen).to(dtype)
+    top = rows.max() + 1
+    ties = [(0, 1), (7, 8), (15, 16), (16, 31), (3, vocab - 1), (vocab - 2, vocab - 1),
+            (100, 40000), (63, 64), (127, 128), (1000, 1001, 1002)]
+    for r, cols in enumerate(ties):
+        rows[r, list(cols)] = top
+    rows[len(ties), :] = float("-inf")     # no finite entry: argmax says 0
+    rows[len(ties) + 1, 5:] = float("-inf")
+    expect = rows.argmax(dim=-1)
+    assert torch.equal(first_argmax(rows), expect)
+    assert [int(expect[r]) for r in range(len(ties))] == [min(c) for c in ties]

@@ -213,15 +213,18 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
     would overwrite."""
     num_draft = list(spec_decode_metadata.num_draft_tokens)
     starts = tree_step.request_rows(plan, num_draft)
-    index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
-                       for s, r in zip(starts, plan.requests)]).to(logits.device)
-    tree_logits = logits.index_select(0, index).float()
     counters = state_of(runner).counters
     if only_trees(runner, plan, num_draft):
+        # Every row is a tree row, in order, and vLLM's sampler (which may
+        # process logits in place) does not run: the rows need no copy.
+        tree_logits = logits.float()
         out = tree_step.empty_output(len(num_draft), spec_decode_metadata.max_spec_len,
                                      logits.device)
         counters.tree_only_steps += 1
     else:
+        index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
+                           for s, r in zip(starts, plan.requests)]).to(logits.device)
+        tree_logits = logits.index_select(0, index).float()
         out = original(runner, logits, spec_decode_metadata)
     params = [getattr(runner.requests.get(r.req_id), "sampling_params", None)
               for r in plan.requests]

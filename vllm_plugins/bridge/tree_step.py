@@ -394,7 +394,7 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
     if greedy:
         got = acceptance.greedy_accept(
             [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy],
-            torch.cat([rows(i).argmax(dim=-1) for i in greedy]))
+            torch.cat([acceptance.first_argmax(rows(i)) for i in greedy]))
         for i, a in zip(greedy, got):
             out[i] = a
     if sampled:

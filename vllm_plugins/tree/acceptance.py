@@ -67,6 +67,14 @@ def draw(probs: torch.Tensor, generator=None) -> int:
     return int(index.clamp_(max=probs.shape[0] - 1))
 
 
+def first_argmax(rows: torch.Tensor) -> torch.Tensor:
+    """Per row the index of its first maximum, as ``argmax(dim=-1)`` gives
+    it (ties to the lowest index, as vLLM's greedy sampler takes them), read
+    from ``max``, which takes about half argmax's time over a vocabulary on
+    the CPU."""
+    return rows.max(dim=-1).indices
+
+
 def _generator(generators, r: int):
     if generators is None or isinstance(generators, torch.Generator):
         return generators
@@ -90,7 +98,7 @@ def greedy_accept(parents: Sequence[Sequence[int] | None],
     ([rows, vocab], argmax taken here).
     """
     if target_argmax.ndim == 2:
-        target_argmax = target_argmax.argmax(dim=-1)
+        target_argmax = first_argmax(target_argmax)
     best = target_argmax.tolist()  # one transfer for the whole step
     out = []
     for r, start in enumerate(row_starts(tokens)):
