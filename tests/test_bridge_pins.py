@@ -511,6 +511,29 @@ def test_rejection_sampler_samples_bonus_rows_then_target_rows():
     assert "MinTokensLogitsProcessor" in mine and "processor.apply(" not in mine
 
 
+def test_min_tokens_masks_bonus_rows_by_committed_output():
+    """The plain Sampler calls MinTokensLogitsProcessor.apply on the bonus
+    rows, which masks by the committed output alone; its state and helpers
+    are what bridge.verify_processors.bonus_min_tokens reads."""
+    from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
+
+    fn = _original(MinTokensLogitsProcessor.apply)
+    assert params(fn) == ["self", "logits"]
+    src = inspect.getsource(fn)
+    assert "self.logits_slice" in src and "self._mask_stop_token_logits(" in src
+    init = inspect.getsource(MinTokensLogitsProcessor.__init__)
+    assert "self.min_toks: dict[int, tuple[int, Sequence[int], set[int], bool]]" in init
+    assert "self.neg_inf_tensor" in init
+    assert params(MinTokensLogitsProcessor._mask_stop_token_logits) == [
+        "self", "logits", "logits_slice", "restore_logits_slice"]
+    assert params(MinTokensLogitsProcessor._device_tensor) == ["self", "data", "dtype"]
+    add = inspect.getsource(MinTokensLogitsProcessor.add_request)
+    assert "params.all_stop_token_ids" in add
+    # Target rows: vLLM counts the drafts there (apply_with_spec_decode).
+    spec = inspect.getsource(MinTokensLogitsProcessor.apply_with_spec_decode)
+    assert "remaining = min_tok - current_len" in spec
+
+
 def test_scheduler_holds_blocked_requests_and_ends_errors():
     # bridge/grammar_hold.py: a new request in a blocked-waiting status goes
     # to deferred_waiting; the blocked branch for grammars reads vLLM's own

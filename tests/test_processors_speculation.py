@@ -304,6 +304,30 @@ def test_min_p_and_logit_bias_on_target_rows_match_plain_sampling(spec_config):
     assert not torch.isfinite(rows[0]).all() and torch.isfinite(rows[3]).all()
 
 
+def test_min_tokens_counts_the_drafts_on_every_row_the_bonus_row_too(spec_config):
+    """min_tokens=4 after 2 committed tokens: the row after drafts[:j] has
+    2 + j tokens before it, so plain decoding masks EOS there only while
+    2 + j < 4. Request 0 (3 drafts): its bonus row follows 5 tokens and may
+    stop; request 1 (1 draft): its bonus row follows 3 and may not."""
+    vocab = spec_config.model_config.get_vocab_size()
+    eos = 2
+    reqs = [(params(min_tokens=4), [5, 6]), (params(min_tokens=4), [5, 6])]
+    procs = built(spec_config, reqs)
+    layout = [[11, 12, 13], [11]]
+    logits = torch.zeros(sum(len(d) + 1 for d in layout), vocab)
+    logits[:, eos] = 10.0  # EOS is every row's argmax, where allowed
+    for j, tok in enumerate(layout[0]):
+        logits[j, tok] = 5.0
+    logits[4:6, 11] = 5.0  # request 1: its draft, then its bonus row
+    rows, bonus = spec_step(procs, layout, logits)
+    out = [len(o) for _, o in reqs]
+    target = [(0, 0), (0, 1), (0, 2), (1, 0)]  # (request, j) of each target row
+    for k, (i, j) in enumerate(target):
+        assert torch.isfinite(rows[k][eos]) == (out[i] + j >= 4), (i, j)
+    # Plain decoding's bonus tokens: EOS after 5 tokens, not after 3.
+    assert bonus == [eos, 11], bonus
+
+
 # ------------------------------------------------------------ grammar drafts
 def test_grammar_forced_drafts_for_our_processor_requests(tokenizer):
     """A request with our processor's grammar is drafted from it: the forced

@@ -136,6 +136,56 @@ def test_greedy_identical_per_processor(method, plain, request, tok):
         assert p["forced_tokens"] > 0 and p["grammar_requests"] >= 2, p
 
 
+# A new user's first try of min_tokens: short answers, which the model ends
+# sooner than min_tokens allows, with one fixed draft per step.
+SHORT_ANSWERS = [
+    "What is 2+2? Answer with a number only.", "Is the sky blue? Answer yes or no.",
+    "What colour is grass? One word.", "Capital of France? One word.",
+    "How many legs does a cat have? Number only.", "Say hi.",
+    "What is the opposite of hot? One word.", "Name a fruit. One word.",
+    "Is water wet? Yes or no.", "What is 10 minus 3? Number only.",
+    "Spell the word cat.", "What animal says moo? One word.",
+    "Reply with OK.", "What day comes after Monday? One word.",
+    "Is fire cold? Answer yes or no.", "What is 5 times 5? Number only.",
+    "Name a colour.", "What is the first letter of the alphabet?"]
+ONE_DRAFT = {"method": "token_recycling", "num_speculative_tokens": 1,
+             "draft_length": "fixed"}
+
+
+def test_min_tokens_on_short_answers_greedy_identical(plain, model_path, tok):
+    """min_tokens from 2 to 8 on each short answer: plain decoding stops at
+    the first position min_tokens allows. Under speculation that position
+    is often a bonus row after an accepted draft, which must count the draft
+    as the target rows do."""
+    from vllm import SamplingParams
+
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True) for q in SHORT_ANSWERS]
+    cases = [(p, m) for p in prompts for m in range(2, 9)]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, min_tokens=m) for _, m in cases]
+
+    def run(llm):
+        outs = llm.generate([p for p, _ in cases], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    ref = run(plain)
+    # The check has teeth: some answers end exactly where min_tokens lets them.
+    eos = tok.eos_token_id
+    assert sum(len(r) == m + 1 and r[-1] == eos for (_, m), r in zip(cases, ref)) >= 3
+    llm = engine(model_path, ONE_DRAFT)
+    try:
+        # Twice: the second time token_recycling drafts from the tables
+        # the first taught it, and more drafts are accepted.
+        got = [run(llm), run(llm)]
+        accepted = stats(llm).get("accepted", 0)
+    finally:
+        shutdown(llm)
+    assert accepted > len(cases), accepted
+    differ = [(k, SHORT_ANSWERS[prompts.index(p)], m, tok.decode(r), tok.decode(g))
+              for k in range(2) for (p, m), r, g in zip(cases, ref, got[k]) if r != g]
+    assert not differ, differ
+
+
 def first_tokens(llm, prompt_ids, seed0, **kw):
     """First TOKENS tokens of SAMPLES seeded temperature-1 answers."""
     from vllm import SamplingParams

@@ -111,6 +111,13 @@ PATCHES: tuple[Patch, ...] = (
           "on the target rows, in the plain sampler's order",
           _PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
           verify_processors.wrap_apply_logits_processors),
+    Patch("verify.bonus_min_tokens",
+          "vllm.v1.sample.logits_processor.builtin:MinTokensLogitsProcessor.apply",
+          "min_tokens on a bonus row counts the request's drafts before it, as "
+          "on the target rows and in plain decoding at that position (vLLM "
+          "counts only the committed output there)",
+          _PINS + "test_min_tokens_masks_bonus_rows_by_committed_output",
+          verify_processors.wrap_min_tokens_apply),
     Patch("grammar.hold_new_requests", _SCHEDULER + ".add_request",
           "a request with our grammar waits (vLLM's blocked-waiting state) "
           "while its grammar compiles on a thread, not inside a step",

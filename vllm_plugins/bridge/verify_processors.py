@@ -10,8 +10,11 @@ row what plain decoding applies at that position, in plain decoding's order:
 
 * the bonus rows (one per request, after all its drafts) go through vLLM's
   plain ``Sampler``, which runs every processor there: ``logit_bias`` and
-  ``min_p`` as in plain decoding, and our grammar processor, told the step's
-  drafts (``RejectionSampler.forward``), masks each after the drafts;
+  ``min_p`` as in plain decoding, and, told the step's drafts
+  (``RejectionSampler.forward``), our grammar processor masks each after
+  the drafts and ``min_tokens`` counts them (vLLM's ``apply`` counts only
+  the committed output, so a bonus row whose drafts reach ``min_tokens``
+  would keep its stop tokens masked where plain decoding may stop);
 * the target rows (row j of a request: after its drafts[:j]) get
   ``logit_bias`` and our grammar processor's per-position mask before vLLM's
   penalties, bad words and ``min_tokens`` (plain order: processors, then
@@ -39,6 +42,12 @@ from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR, applies_processors
 from vllm_plugins.tree.sampling import SAMPLING_EPS
 
 logger = logging.getLogger("vllm_plugins")
+
+# On vLLM's MinTokensLogitsProcessor of an engine drafting with our proposers
+# (set at build), and, while its rejection sampler samples the bonus rows,
+# the step's draft counts by batch index (wrap_min_tokens_apply).
+COUNTS_DRAFTS = "_vllm_plugins_counts_drafts"
+BONUS_DRAFTS = "_vllm_plugins_bonus_drafts"
 
 
 def _grammar_class():
@@ -76,9 +85,13 @@ def wrap_build_logitsprocs(original):
             logger.warning("logits processors %s (entry points) stay off under "
                            "speculative decoding, as in vLLM", dropped)
         ours = [c for c in plugins + explicit if issubclass(c, grammar)]
-        return lp.LogitsProcessors(
+        built = lp.LogitsProcessors(
             ctor(vllm_config, device, is_pin_memory)
             for ctor in [*lp.BUILTIN_LOGITS_PROCESSORS, *ours])
+        for p in built.all:
+            if isinstance(p, lp.MinTokensLogitsProcessor):
+                setattr(p, COUNTS_DRAFTS, True)  # this engine's: wrap_min_tokens_apply
+        return built
 
     return build_logitsprocs
 
@@ -112,26 +125,88 @@ def _grammar_processors(sampling_metadata) -> list:
             if isinstance(p, grammar) and p._reqs]
 
 
+def _min_tokens_processors(sampling_metadata) -> list:
+    return [p for p in sampling_metadata.logitsprocs.non_argmax_invariant
+            if getattr(p, COUNTS_DRAFTS, False) and p.min_toks]
+
+
 def wrap_rejection_forward(original):
     # vllm.v1.sample.rejection_sampler.RejectionSampler.forward(self, metadata,
     #     draft_probs, logits, sampling_metadata): samples the bonus rows with
     #     the plain Sampler first, then calls apply_logits_processors on the
-    #     target rows. Our grammar processors hold the step's drafts meanwhile.
+    #     target rows. Our grammar processors hold the step's drafts meanwhile,
+    #     and min_tokens the step's draft counts.
     @functools.wraps(original)
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         procs = _grammar_processors(sampling_metadata)
-        if not procs:
+        mins = _min_tokens_processors(sampling_metadata)
+        if not procs and not mins:
             return original(self, metadata, draft_probs, logits, sampling_metadata)
-        drafts = _split_drafts(metadata)
+        drafts = _split_drafts(metadata) if procs else None
         for p in procs:
             p.begin_verification(drafts)
+        for p in mins:
+            setattr(p, BONUS_DRAFTS, list(metadata.num_draft_tokens))
         try:
             return original(self, metadata, draft_probs, logits, sampling_metadata)
         finally:
             for p in procs:
                 p.end_verification()
+            for p in mins:
+                setattr(p, BONUS_DRAFTS, None)
 
     return forward
+
+
+def wrap_min_tokens_apply(original):
+    # vllm.v1.sample.logits_processor.builtin.MinTokensLogitsProcessor.apply(
+    #     self, logits) -> logits: one row per request (batch index); masks
+    #     the stop tokens of requests whose committed output is shorter than
+    #     min_tokens (self.min_toks: index -> (min_tokens, output list, stop
+    #     ids, uses vLLM's structured outputs)). On the bonus rows of a step
+    #     verified by our engines (BONUS_DRAFTS set by the forward above), the
+    #     drafts before the row count, as apply_with_spec_decode counts them
+    #     on the target rows and plain decoding at that position.
+    @functools.wraps(original)
+    def apply(self, logits):
+        num_draft = getattr(self, BONUS_DRAFTS, None)
+        if num_draft is None or not self.min_toks:
+            return original(self, logits)
+        return bonus_min_tokens(self, logits, num_draft)
+
+    return apply
+
+
+def bonus_min_tokens(processor, logits: torch.Tensor, num_draft: list[int]) -> torch.Tensor:
+    """vLLM's min_tokens masking of one row per request, each row after its
+    request's committed output and ``num_draft`` drafts: stop tokens are
+    masked where fewer than ``min_tokens`` tokens precede the row (with
+    vLLM's restoring of the stop tokens of a structured-output row that
+    would be left all masked, as ``apply`` does)."""
+    rows: list[int] = []
+    toks: list[int] = []
+    restore_rows: list[int] = []
+    restore_toks: list[int] = []
+    for index, (min_tok, output, stop, structured) in processor.min_toks.items():
+        before = len(output) + (num_draft[index] if index < len(num_draft) else 0)
+        if before >= min_tok or not stop:
+            continue
+        rows.extend([index] * len(stop))
+        toks.extend(stop)
+        if structured:
+            restore_rows.extend([index] * len(stop))
+            restore_toks.extend(stop)
+    if not rows:
+        return logits
+    mask = (processor._device_tensor(rows, torch.int32),
+            processor._device_tensor(toks, torch.int32))
+    if not restore_rows:
+        logits.index_put_(mask, processor.neg_inf_tensor)
+    else:
+        processor._mask_stop_token_logits(
+            logits, mask, (processor._device_tensor(restore_rows, torch.int32),
+                           processor._device_tensor(restore_toks, torch.int32)))
+    return logits
 
 
 def wrap_apply_logits_processors(original):
