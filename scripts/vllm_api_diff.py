@@ -1,7 +1,7 @@
 """Which vLLM functions and classes the bridge touches differ between two vLLM
 source trees: the early warning for the next vLLM release.
 
-The names come from the bridge itself (``vllm_plugins.patches.vllm_names()``,
+The names come from the bridge itself (``vllm_plugins.bridge.patches.vllm_names()``,
 ``module:qualname``). Each is looked up in both trees by reading the source
 (nothing of either vLLM is imported), following ``from x import y`` re-exports,
 and its definition is compared as a syntax tree without docstrings, so only a
@@ -183,7 +183,7 @@ def installed_vllm() -> Path:
 
 
 def bridge_names() -> list[str]:
-    from vllm_plugins.patches import vllm_names
+    from vllm_plugins.bridge.patches import vllm_names
 
     return vllm_names()
 

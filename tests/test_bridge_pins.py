@@ -239,7 +239,7 @@ def test_every_patch_targets_vllm_and_names_its_pin():
     import vllm_plugins
     from tests import test_bridge_pins_cpu
     from vllm_plugins.bridge.patching import _MISSING
-    from vllm_plugins.patches import PATCHES, RELIED_ON, vllm_names
+    from vllm_plugins.bridge.patches import PATCHES, RELIED_ON, vllm_names
 
     vllm_plugins.register()
     pin_modules = {"tests/test_bridge_pins.py": globals(),

@@ -133,7 +133,7 @@ def test_api_diff_reports_a_name_the_new_release_removed(tmp_path):
 def test_api_diff_finds_every_bridge_name_in_the_installed_vllm():
     """Every name the bridge lists resolves in the vLLM it runs on, except
     the attributes the bridge adds itself; a typo in the list shows here."""
-    from vllm_plugins.patches import PATCHES
+    from vllm_plugins.bridge.patches import PATCHES
 
     vllm_dir = api_diff.installed_vllm()
     tree = api_diff.SourceTree(vllm_dir)

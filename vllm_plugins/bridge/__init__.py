@@ -1,9 +1,10 @@
 """The only code that touches vLLM's private internals.
 
-``install`` applies ``vllm_plugins.patches.PATCHES`` (idempotent): each is a
+``install`` applies ``patches.PATCHES`` (idempotent): each is a
 named ``Patch`` over one vLLM attribute, with its reason and the pin test in
 tests/test_bridge_pins.py that fails loudly when vLLM's shape changes.
 
+- ``patches``: every vLLM internal we replace, add or read, in one list;
 - ``config``: start-up (our method names, option validation, refusals);
 - ``runner``: the V1 model runner's step, for our proposers only;
 - ``step``: the StepContext built from the runner's arrays (no patching);
@@ -18,6 +19,6 @@ from __future__ import annotations
 def install() -> list[str]:
     """Applies every patch not yet applied; returns their names."""
     from vllm_plugins.bridge.patching import apply
-    from vllm_plugins.patches import PATCHES
+    from vllm_plugins.bridge.patches import PATCHES
 
     return apply(PATCHES)
