@@ -199,6 +199,10 @@ RELIED_ON: tuple[str, ...] = (
     "vllm._custom_ops:cpu_attn_get_scheduler_metadata",
     "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
+    # The route runs on the V1 runner only through this fallback
+    # (tests/test_bridge_pins_runner.py).
+    "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",
+    "vllm.config.vllm:VllmConfig.use_v2_model_runner",
 )
 
 
