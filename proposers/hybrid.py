@@ -1,0 +1,299 @@
+"""Hybrid drafts: every draft source in one tree, per request and per step.
+
+Each source sees one kind of evidence (``vllm_plugins.proposers.sources``):
+Token Recycling's tables know the target's recent top-k successors, suffix
+trees know long verbatim spans of the prompt and of earlier outputs, prompt
+lookup knows the request's own context. Each step, for each request, every
+source proposes a small tree; the trees are merged into one trie (the same
+token under the same parent is one node), each node carrying the best
+calibrated estimate among the sources that proposed it (``calibrate``: per
+source, depth and confidence bucket, from every node whose parent was on
+an accepted path), and the nodes come out best first by path probability,
+cut to the request's budget (``merge``). The draft-length policy then
+chooses which nodes to verify (``SHAPES_TREES``), down to one chain or
+none. A request the tree path cannot serve (``tree_allowed``) gets the
+merged tree's path with the most expected accepted tokens.
+
+A source that raises costs its own candidates for that step only (logged
+once per source, counted in ``metrics()["sources"][name]["errors"]``).
+Output is exact whatever the sources draft: every node is verified.
+
+Options: ``sources`` (names; default ``sources.default_sources()``),
+``source_options`` ({name: {option: value}}, validated against each
+source's declared options), ``draft_shape`` ("tree" or "chain"), and the
+draft-length options every method takes. Per request,
+``extra_args["speculation"]`` narrows the draft length and the sources
+(``sources.request``).
+
+Memory: the sources' own (Token Recycling's tables, the suffix cache), the
+merge's buffers (a few arrays of the candidates' count), and per request
+the last merged tree until its outcome is read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_plugins.options import Option, choice, resolve
+from vllm_plugins.proposers.base import PluginProposer
+from vllm_plugins.proposers.draft_length import draft_length_options
+from vllm_plugins.proposers.sources import default_sources, source_class
+from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
+from vllm_plugins.proposers.sources.merge import MAX_SOURCES, Merger
+from vllm_plugins.proposers.sources.merge import warm_up as warm_up_merge
+from vllm_plugins.proposers.sources.request import speculation_request
+from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.tree.sampling import tree_allowed
+
+logger = logging.getLogger("vllm_plugins")
+
+
+@dataclass
+class MergedTree:
+    """A request's merged tree as drafted, read against the next step."""
+
+    tokens: np.ndarray
+    parents: np.ndarray
+    depth: np.ndarray
+    mask: np.ndarray        # bit s: source s proposed the node
+    raw: np.ndarray         # [node, source] the source's own estimate (NaN: none)
+    context_len: int
+
+
+def tree_depths(parents: np.ndarray) -> np.ndarray:
+    """Depth of each node of a topological parent list (root children 1)."""
+    d = np.zeros(len(parents), np.int64)
+    for i, p in enumerate(parents.tolist()):
+        d[i] = 1 if p < 0 else d[p] + 1
+    return d
+
+
+class HybridProposer(PluginProposer):
+    OPTIONS = (
+        *draft_length_options("goodput"),
+        Option("sources", None, (list, tuple, type(None))),
+        Option("source_options", None, (dict, type(None))),
+        choice("draft_shape", "tree", ("tree", "chain")),
+    )
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 16
+    CAN_REST = True        # every source catches up from the context itself
+    SHAPES_TREES = True    # calibration reads outcomes; sources learn from ``sent``
+    TREE_POLICIES = ("fixed", "goodput")
+
+    @classmethod
+    def check_options(cls, where: str, options: dict) -> None:
+        cls.resolve_sources(where, options)
+        if options["draft_shape"] == "tree" and options["draft_length"] not in cls.TREE_POLICIES:
+            raise ValueError(
+                f"speculative_config option 'draft_length' of method '{where}' must be "
+                f"one of {list(cls.TREE_POLICIES)} with draft_shape='tree', got "
+                f"{options['draft_length']!r}")
+
+    @classmethod
+    def resolve_sources(cls, where: str, options: dict) -> list[tuple[str, type, dict]]:
+        """(name, class, resolved options) per source; ValueError names the
+        option, the source and what is wrong."""
+        names = options["sources"]
+        if names is None:
+            names = default_sources()
+        label = f"speculative_config option 'sources' of method '{where}'"
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"{label} must be a non-empty list of source names, got {names!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{label} names a source twice: {list(names)}")
+        if len(names) > MAX_SOURCES:
+            raise ValueError(f"{label} names {len(names)} sources, at most {MAX_SOURCES}")
+        given = options["source_options"] or {}
+        extra = sorted(set(given) - set(names))
+        if extra:
+            raise ValueError(f"speculative_config option 'source_options' of method "
+                             f"'{where}' names {extra}, not among the sources {list(names)}")
+        out = []
+        for name in names:
+            try:
+                klass = source_class(name)
+            except ValueError as e:
+                raise ValueError(f"{label}: {e}") from None
+            opts = given.get(name) or {}
+            if not isinstance(opts, dict):
+                raise ValueError(f"speculative_config option 'source_options' of method "
+                                 f"'{where}': options of source {name!r} must be a dict, "
+                                 f"got {opts!r}")
+            out.append((name, klass, resolve(name, klass.OPTIONS, opts, scope="draft source",
+                                             label="draft source option")))
+        return out
+
+    def __init__(self, vllm_config=None, options: dict | None = None,
+                 vocab_size: int | None = None):
+        super().__init__(vllm_config, options, vocab_size)
+        specs = self.resolve_sources("hybrid", self.options)
+        self.source_names = tuple(name for name, _, _ in specs)
+        self.sources = [klass(opts, self.vocab_size, self.max_draft)
+                        for _, klass, opts in specs]
+        self.TOPK = max(s.TOPK for s in self.sources)
+        self.merger = Merger(len(self.sources))
+        self.calibrator = SourceCalibrator(len(self.sources), depth=max(self.max_draft, 1))
+        self._merged: dict[str, MergedTree] = {}
+        self._logged_source: set[int] = set()
+        self._logged_request = False
+        k = len(self.sources)
+        self.source_errors = np.zeros(k, np.int64)
+        self.source_nodes = np.zeros(k, np.int64)      # merged nodes it proposed
+        self.source_accepted = np.zeros(k, np.int64)   # accepted tokens it proposed
+        self.source_alone = np.zeros(k, np.int64)      # ... that no other source proposed
+        self.request_errors = 0
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        warm_up_merge()
+        for s in self.sources:
+            s.load()
+
+    # ------------------------------------------------------------ helpers
+    def _guard(self, k: int, what: str, fn, *args):
+        """``fn(*args)``, or None when it raises: a failing source costs its
+        own candidates only (logged once per source)."""
+        try:
+            return fn(*args)
+        except Exception:
+            self.source_errors[k] += 1
+            if k not in self._logged_source:
+                self._logged_source.add(k)
+                logger.exception("draft source %r failed in %s; its candidates are left "
+                                 "out (logged once, counted in metrics()['sources'])",
+                                 self.source_names[k], what)
+            return None
+
+    def _request_options(self, r: RequestStep) -> tuple[int | None, tuple[int, ...]]:
+        """(draft cap, source indices) of a request's extra_args; a malformed
+        one (the front end refuses it first) drafts nothing."""
+        extra = getattr(r.sampling_params, "extra_args", None)
+        try:
+            cap, names = speculation_request(extra, self.max_draft, self.source_names)
+        except ValueError:
+            self.request_errors += 1
+            if not self._logged_request:
+                self._logged_request = True
+                logger.exception("request %s: bad extra_args; no drafts for it", r.req_id)
+            return 0, ()
+        if names is None:
+            return cap, tuple(range(len(self.sources)))
+        return cap, tuple(self.source_names.index(n) for n in names)
+
+    # ------------------------------------------------------------ step
+    def draft(self, ctx: StepContext) -> Drafts:
+        self._learn_outcomes(ctx)
+        for k, s in enumerate(self.sources):
+            self._guard(k, "learn", s.learn, ctx)
+        n = len(ctx.requests)
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        conf: list[np.ndarray | None] = [None] * n
+        parents: list[list[int] | None] = [None] * n
+        as_trees = self.options["draft_shape"] == "tree"
+        for i, r, budget in self.drafting_requests(ctx):
+            cap, active = self._request_options(r)
+            if cap is not None:
+                budget = min(budget, cap)
+            merged = self.draft_request(r, budget, active)
+            if merged is None:
+                continue
+            tok, par, cond, q = merged
+            if as_trees and tree_allowed(r.sampling_params):
+                tokens[i], parents[i] = tok.tolist(), par.tolist()
+                conf[i] = cond.astype(np.float32)
+            else:
+                path = self.merger.chain(par, q)
+                tokens[i] = tok[path].tolist()
+                conf[i] = cond[path].astype(np.float32)
+        return Drafts(tokens, None, conf, parents)
+
+    def draft_request(self, r: RequestStep, budget: int, active) -> tuple | None:
+        """(tokens, parents, conditional estimates, path probabilities) of
+        the merged tree for one request, or None when no source has
+        anything; the tree is kept for the next step's outcomes."""
+        if budget <= 0:
+            return None
+        trees, cals = [], []
+        for k in active:
+            t = self._guard(k, "propose", self._propose, k, r, budget)
+            if t is None or len(t) == 0:
+                continue
+            trees.append((k, t))
+            cals.append(self.calibrator.calibrate(k, tree_depths(t.parents), t.confidence))
+        if not trees:
+            return None
+        tok, par, cond, mask, depth, q, raw = self.merger.merge(trees, cals, budget)
+        self._merged[r.req_id] = MergedTree(tok, par, depth, mask, raw, len(r.context))
+        for k, _ in trees:
+            self.source_nodes[k] += int(np.count_nonzero(mask & (1 << k)))
+        return tok, par, cond, q
+
+    def _propose(self, k: int, r: RequestStep, budget: int):
+        return self.sources[k].propose(r, budget).check(budget)
+
+    def _learn_outcomes(self, ctx: StepContext) -> None:
+        """Every observed node of the trees drafted last step: a node whose
+        parent is the root or on the accepted path (the accepted tokens
+        walk the trie). Its outcome, for each source that proposed it,
+        goes to the calibration; the accepted path's nodes are counted to
+        the sources that proposed them."""
+        srcs, depths, confs, outs = [], [], [], []
+        for r in ctx.requests:
+            rec = self._merged.pop(r.req_id, None)
+            emitted = np.asarray(r.accepted, np.int64)
+            if rec is None or len(emitted) == 0 \
+                    or len(r.context) - len(emitted) != rec.context_len:
+                continue
+            on_path = {-1}
+            node = -1
+            path = []
+            for d in range(len(emitted) - 1):
+                hit = np.nonzero((rec.parents == node) & (rec.tokens == emitted[d]))[0]
+                if len(hit) == 0:
+                    break
+                node = int(hit[0])
+                path.append(node)
+                on_path.add(node)
+            observed = np.isin(rec.parents, list(on_path))
+            idx = np.nonzero(observed)[0]
+            if len(idx) == 0:
+                continue
+            accepted = rec.tokens[idx] == emitted[rec.depth[idx] - 1]
+            node_i, src = np.nonzero(~np.isnan(rec.raw[idx]))
+            srcs.append(src)
+            depths.append(rec.depth[idx][node_i])
+            confs.append(rec.raw[idx][node_i, src])
+            outs.append(accepted[node_i].astype(np.float64))
+            for v in path:
+                bits = [k for k in range(len(self.sources)) if rec.mask[v] >> k & 1]
+                for k in bits:
+                    self.source_accepted[k] += 1
+                if len(bits) == 1:
+                    self.source_alone[bits[0]] += 1
+        if srcs:
+            self.calibrator.learn(np.concatenate(srcs), np.concatenate(depths),
+                                  np.concatenate(confs), np.concatenate(outs))
+
+    def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
+        for k, s in enumerate(self.sources):
+            self._guard(k, "sent", s.sent, ctx, drafts)
+
+    def free(self, req_id: str) -> None:
+        self._merged.pop(req_id, None)
+        for k, s in enumerate(self.sources):
+            self._guard(k, "free", s.free, req_id)
+
+    def metrics(self) -> dict:
+        out = super().metrics()
+        out["request_errors"] = self.request_errors
+        out["sources"] = {
+            name: {"nodes": int(self.source_nodes[k]),
+                   "accepted": int(self.source_accepted[k]),
+                   "accepted_alone": int(self.source_alone[k]),
+                   "errors": int(self.source_errors[k]),
+                   "acceptance_by_depth": self.calibrator.table(k)[:8]}
+            for k, name in enumerate(self.source_names)}
+        return out

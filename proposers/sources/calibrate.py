@@ -1,0 +1,67 @@
+"""Each source's estimates mapped to how often such nodes were accepted.
+
+Sources state their own confidences on their own scales (a table's stored
+probability, a share of occurrences, a suffix tree's frequency), and the
+hybrid compares them node by node, so each is calibrated first: per
+source, depth and confidence bucket, from every observed node (a node
+whose parent was on the accepted path, sent or not: the target's own next
+token says whether it would have been accepted). Counts decay slowly and
+shrink toward coarser levels, as the goodput policy's calibration does:
+
+    g_sb(c)  = (S_sb + k c) / (N_sb + k)               source and bucket; prior = c
+    g_sdb(c) = (S_sdb + k g_sb(c)) / (N_sdb + k)       ... and depth
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class SourceCalibrator:
+    _STRENGTH = 2.0
+    _HALF_LIFE = 1024.0   # observed nodes of one source, roughly steps
+
+    def __init__(self, num_sources: int, depth: int = 32, bins: int = 10):
+        self.depth, self.bins = depth, bins
+        self.decay = 0.5 ** (1.0 / self._HALF_LIFE)
+        self.s = np.zeros((num_sources, bins))
+        self.n = np.zeros((num_sources, bins))
+        self.sd = np.zeros((num_sources, depth, bins))
+        self.nd = np.zeros((num_sources, depth, bins))
+
+    def _index(self, depth: np.ndarray, c: np.ndarray):
+        d = np.clip(np.asarray(depth, np.int64) - 1, 0, self.depth - 1)
+        c = np.clip(np.nan_to_num(np.asarray(c, np.float64)), 0.0, 1.0)
+        b = np.clip((c * self.bins).astype(np.int64), 0, self.bins - 1)
+        return d, b, c
+
+    def calibrate(self, source: int, depth: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """Calibrated estimates of one source's nodes (depth: root child 1)."""
+        d, b, c = self._index(depth, c)
+        k = self._STRENGTH
+        g = (self.s[source, b] + k * c) / (self.n[source, b] + k)
+        return (self.sd[source, d, b] + k * g) / (self.nd[source, d, b] + k)
+
+    def learn(self, source: np.ndarray, depth: np.ndarray, c: np.ndarray,
+              outcome: np.ndarray) -> None:
+        """Outcomes (1 accepted, 0 not) of observed nodes, one entry per
+        (node, source that proposed it) with that source's raw estimate."""
+        if len(source) == 0:
+            return
+        src = np.asarray(source, np.int64)
+        d, b, _ = self._index(depth, c)
+        x = np.asarray(outcome, np.float64)
+        self.s *= self.decay
+        self.n *= self.decay
+        self.sd *= self.decay
+        self.nd *= self.decay
+        np.add.at(self.s, (src, b), x)
+        np.add.at(self.n, (src, b), 1.0)
+        np.add.at(self.sd, (src, d, b), x)
+        np.add.at(self.nd, (src, d, b), 1.0)
+
+    def table(self, source: int) -> list[float]:
+        """Per depth, the acceptance rate seen (NaN where none)."""
+        n = self.nd[source].sum(1)
+        s = self.sd[source].sum(1)
+        return [float(v) for v in np.where(n > 0, s / np.maximum(n, 1e-12), np.nan)]
