@@ -42,6 +42,7 @@ METHODS: dict[str, Method] = {
         Method("swift", "vllm_plugins.proposers.layer_skip.swift.SwiftProposer"),
         Method("del", "vllm_plugins.proposers.layer_skip.del_.DelProposer"),
         Method("grammar_forced", "vllm_plugins.proposers.grammar.GrammarProposer"),
+        Method("hybrid", "vllm_plugins.proposers.hybrid.HybridProposer"),
     )
 }
 BY_CLASS_PATH = {m.class_path: m for m in METHODS.values()}
