@@ -109,27 +109,27 @@ def fake_isa(isa):
 def test_tree_drafts_are_refused_at_start_up_on_a_layout_the_views_do_not_know(isa):
     with fake_isa(isa):
         with pytest.raises(ValueError, match=rf"'{isa}' K/V cache layout") as err:
-            bridge_runner.tree_refusal(runner_of(attention_model(), "tree"))
+            bridge_runner.runner_tree_refusal(runner_of(attention_model(), "tree"))
         # One error, naming the option to use instead.
         assert "draft_shape='tree' cannot be served here" in str(err.value)
         assert "draft_shape='chain'" in str(err.value)
         # Without draft_shape='tree', trees are cut to chains: the reason is kept.
-        why = bridge_runner.tree_refusal(runner_of(attention_model(), None))
+        why = bridge_runner.runner_tree_refusal(runner_of(attention_model(), None))
     assert f"'{isa}'" in why
 
 
 @pytest.mark.parametrize("isa", VIEWED_ISAS)
 def test_tree_drafts_are_served_on_the_viewed_layouts(isa):
     with fake_isa(isa):
-        assert bridge_runner.tree_refusal(runner_of(attention_model(), "tree")) is None
+        assert bridge_runner.runner_tree_refusal(runner_of(attention_model(), "tree")) is None
 
 
 def test_the_isa_a_layer_reports_once_the_cache_exists_decides():
     # bridge/step.py checks again at the first step, from layer.isa.
     for isa in UNVIEWED:
-        assert f"'{isa}'" in tree_step.tree_refusal(attention_model(isa=isa))
+        assert f"'{isa}'" in tree_step.attention_tree_refusal(attention_model(isa=isa))
     for isa in VIEWED_ISAS:
-        assert tree_step.tree_refusal(attention_model(isa=isa)) is None
+        assert tree_step.attention_tree_refusal(attention_model(isa=isa)) is None
 
 
 def test_the_start_up_prediction_is_what_vllms_builder_computes():

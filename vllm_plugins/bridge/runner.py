@@ -47,7 +47,7 @@ def wrap_after_load(original):
             return original(self)
         state = attach(self, drafter)
         ranks.join_tensor_parallel()
-        state.tree_refusal = tree_refusal(self)
+        state.tree_refusal = runner_tree_refusal(self)
         if getattr(drafter, "SELF_DRAFT", False):
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
             from vllm_plugins.bridge.target_layers import check_target
@@ -97,17 +97,20 @@ def wrap_execute_model(original):
     return execute_model
 
 
-def tree_refusal(runner) -> str | None:
-    """Why this runner cannot verify tree drafts (None: it can). A proposer
-    asked for trees (option ``draft_shape``) on such a runner is refused at
-    start-up; otherwise trees are cut to chains, step by step."""
+def runner_tree_refusal(runner) -> str | None:
+    """Why this runner cannot verify tree drafts (None: it can): its rotary
+    positions, or its attention layers (``tree_step.attention_tree_refusal``,
+    with the kernel ISA vLLM will pick). A proposer asked for trees (option
+    ``draft_shape``) on such a runner is refused at start-up; otherwise trees
+    are cut to chains, step by step."""
     from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
 
     why = None
     if getattr(runner, "uses_mrope", False):
         why = "tree drafts need plain rotary positions (this model uses M-RoPE)"
     if why is None:
-        why = tree_step.tree_refusal(runner.get_model(), start_up_isa(runner.vllm_config))
+        why = tree_step.attention_tree_refusal(runner.get_model(),
+                                               start_up_isa(runner.vllm_config))
     options = getattr(runner.vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR, None) or {}
     if why is not None and options.get("draft_shape") == "tree":
         raise ValueError(f"draft_shape='tree' cannot be served here: {why}; "

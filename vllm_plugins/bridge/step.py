@@ -215,10 +215,11 @@ def record_trees(runner, state: RunnerState, ctx: StepContext, drafts: Drafts):
     for req_id in ctx.finished:
         state.trees.pop(req_id, None)
     if not state.tree_layout_checked:  # the cache exists from the first step on
-        from vllm_plugins.bridge.tree_step import tree_refusal
+        from vllm_plugins.bridge.tree_step import attention_tree_refusal
 
         state.tree_layout_checked = True
-        state.tree_refusal = state.tree_refusal or tree_refusal(runner.get_model())
+        state.tree_refusal = (state.tree_refusal
+                              or attention_tree_refusal(runner.get_model()))
     drafts = check_drafts(runner, state, [r.req_id for r in ctx.requests], drafts)
     params = {r.req_id: r.sampling_params for r in ctx.requests}
     # One KV cache group: the tree step reads one slot mapping.

@@ -333,8 +333,8 @@ def unsupported_attention(impl) -> str | None:
     return None
 
 
-def tree_refusal(model, isa_of=None) -> str | None:
-    """Why this runner's model cannot serve tree steps, or None. The CPU
+def attention_tree_refusal(model, isa_of=None) -> str | None:
+    """Why this model's attention layers cannot serve tree steps, or None. The CPU
     backend sets each layer's kernel ISA (``layer.isa``, which decides the
     K/V layout: ``kernels.cache_layout.layout_refusal``) once the cache
     exists; before that, ``isa_of(impl)`` predicts it."""
