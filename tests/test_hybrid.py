@@ -1,0 +1,273 @@
+"""The hybrid method's parts without an engine: the merge of the sources'
+trees, the sources, a failing source, a source from an entry point, the
+per-source calibration, options and per-request speculation."""
+
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from vllm_plugins.proposers import sources
+from vllm_plugins.proposers.hybrid import HybridProposer
+from vllm_plugins.proposers.sources import DraftSource, SourceTree
+from vllm_plugins.proposers.sources.lookup import LookupSource
+from vllm_plugins.proposers.sources.merge import Merger
+from vllm_plugins.proposers.sources.request import speculation_request
+from vllm_plugins.registry import translate, vllm_method_names
+from vllm_plugins.step_context import RequestStep, StepContext
+
+VOCAB = 1000
+
+
+def tree(tokens, parents, conf):
+    return SourceTree(np.array(tokens, np.int64), np.array(parents, np.int64),
+                      np.array(conf, np.float64))
+
+
+def merge(trees, budget):
+    return Merger(4).merge(trees, [t.confidence for _, t in trees], budget)
+
+
+def request(context, accepted=(), req_id="a", prompt=None, params=None):
+    context = np.asarray(context, np.int64)
+    accepted = np.asarray(accepted if len(accepted) else context[-1:], np.int64)
+    return RequestStep(req_id, accepted, context, prompt or len(context) - len(accepted),
+                       0, context[-1:], None, None, 0.0, sampling_params=params)
+
+
+def hybrid(**options):
+    p = HybridProposer(None, {"draft_length": "fixed", **options}, vocab_size=VOCAB)
+    p.load_model(None)
+    return p
+
+
+# ------------------------------------------------------------------ merge
+def test_identical_prefixes_merge_into_one_node_with_the_best_estimate():
+    a = tree([5, 6, 7], [-1, 0, 1], [0.9, 0.5, 0.4])
+    b = tree([5, 6, 8], [-1, 0, 1], [0.6, 0.8, 0.9])
+    tok, par, cond, mask, depth, q, raw = merge([(0, a), (2, b)], 10)
+    assert tok.tolist() == [5, 6, 8, 7]
+    assert par.tolist() == [-1, 0, 1, 1]
+    assert cond.tolist() == [0.9, 0.8, 0.9, 0.4]
+    assert mask.tolist() == [0b101, 0b101, 0b100, 0b001]
+    assert depth.tolist() == [1, 2, 3, 3]
+    np.testing.assert_allclose(q, [0.9, 0.72, 0.648, 0.288])
+    assert raw[1, 0] == 0.5 and raw[1, 2] == 0.8 and np.isnan(raw[2, 0])
+
+
+def test_merged_nodes_are_best_first_topological_and_cut_to_the_budget():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        trees = []
+        for s in range(3):
+            n = int(rng.integers(0, 12))
+            par = [int(rng.integers(-1, i)) for i in range(n)]
+            trees.append((s, tree(rng.integers(0, 3, n), par, rng.uniform(0, 1, n))))
+        budget = int(rng.integers(1, 20))
+        tok, par, cond, mask, depth, q, _ = merge(trees, budget)
+        full = merge(trees, 100)
+        assert len(tok) == min(budget, len(full[0]))
+        assert all(-1 <= p < i for i, p in enumerate(par.tolist()))
+        assert np.all(np.diff(q) <= 0)
+        # one node per (parent, token), and every source path is in the trie
+        assert len({(p, t) for p, t in zip(par.tolist(), tok.tolist())}) == len(tok)
+        paths = set()
+        for i in range(len(full[0])):
+            p, path = i, []
+            while p >= 0:
+                path.append(int(full[0][p]))
+                p = int(full[1][p])
+            paths.add(tuple(reversed(path)))
+        for _, t in trees:
+            for i in range(len(t)):
+                p, path = i, []
+                while p >= 0:
+                    path.append(int(t.tokens[p]))
+                    p = int(t.parents[p])
+                assert tuple(reversed(path)) in paths
+        # the cut keeps the budget's best nodes of the whole trie
+        np.testing.assert_allclose(q, full[5][:len(q)])
+
+
+def test_best_chain_takes_the_path_with_most_expected_accepted_tokens():
+    # a greedy descent would take node 0 (q .6) and stop; 1 -> 2 -> 3 is worth more
+    par = np.array([-1, -1, 1, 2])
+    q = np.array([0.6, 0.5, 0.45, 0.4])
+    assert Merger(1).chain(par, q).tolist() == [1, 2, 3]
+    assert Merger(1).chain(np.array([-1, -1]), np.array([0.5, 0.5])).tolist() == [0]
+
+
+# ---------------------------------------------------------------- sources
+def test_lookup_branches_where_the_context_disagrees_with_itself():
+    src = LookupSource({"prompt_lookup_min": 2, "prompt_lookup_max": 5, "max_matches": 4},
+                       VOCAB, 8)
+    # "1 2" (the longest repeated suffix) came three times, always followed
+    # by 3, then by 7, 8 and 9: a chain that branches, latest first
+    t = src.propose_context([1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 9, 1, 2], 6)
+    assert t.tokens[t.parents == -1].tolist() == [3]
+    assert t.confidence[0] == pytest.approx(2 / 3)
+    assert t.tokens[t.parents == 0].tolist() == [9, 8]
+    np.testing.assert_allclose(t.confidence[t.parents == 0], [1 / 3, 1 / 3])
+    assert len(t) <= 6
+    assert len(src.propose_context([1, 2, 3, 4], 6)) == 0
+
+
+@pytest.mark.skipif(not sources.suffix_available(), reason="arctic-inference not installed")
+def test_suffix_source_gives_conditional_estimates_and_catches_up_on_skipped_steps():
+    src = sources.source_class("suffix")(
+        {"max_tree_depth": 24, "max_cached_requests": 16, "max_spec_factor": 4.0,
+         "min_token_prob": 0.0}, VOCAB, 8)
+    prompt = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2]
+    t = src.propose(request(prompt, prompt[-1:], prompt=len(prompt)), 8)
+    assert t.tokens[0] == 3 and t.confidence[0] == pytest.approx(1.0, abs=0.34)
+    assert t.check(8) is not None
+    kids = t.confidence[t.parents == 0]
+    assert kids.sum() == pytest.approx(1.0)       # 4 and 5 after "1 2 3": conditional
+    # two steps' tokens at once: the cache holds the whole context
+    ctx = prompt + [3, 6]
+    src.propose(request(ctx, [3, 6], prompt=len(prompt)), 8)
+    assert src._told["a"] == len(ctx)
+    src.free("a")
+    assert "a" not in src.cache.active_requests
+
+
+# ------------------------------------------------------- failing sources
+class BrokenSource(DraftSource):
+    name = "broken"
+
+    def propose(self, request, budget):
+        raise RuntimeError("broken on purpose")
+
+
+class TooManySource(DraftSource):
+    name = "too_many"
+
+    def propose(self, request, budget):
+        return SourceTree.chain(np.arange(budget + 1), np.full(budget + 1, 0.5))
+
+
+def test_a_failing_source_costs_only_its_own_candidates(monkeypatch, caplog):
+    monkeypatch.setitem(sources.BUILTIN, "broken", f"{__name__}:BrokenSource")
+    monkeypatch.setitem(sources.BUILTIN, "too_many", f"{__name__}:TooManySource")
+    p = hybrid(sources=["broken", "ngram", "too_many"])
+    context = [7, 8, 9, 7, 8, 9, 7, 8]
+    for _ in range(3):
+        d = p.step(StepContext([request(context)], max_draft=8))
+    assert d.tokens[0][:2] == [9, 7]          # ngram's draft
+    m = p.metrics()
+    assert m["num_errors"] == 0
+    assert m["sources"]["broken"]["errors"] == 3 and m["sources"]["too_many"]["errors"] == 3
+    assert m["sources"]["ngram"]["errors"] == 0
+    assert sum("broken" in r.getMessage() for r in caplog.records) == 1   # logged once
+
+
+def test_a_source_from_an_entry_point_is_usable_by_name(tmp_path, monkeypatch):
+    dist = tmp_path / "example_source-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: example-source\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
+        [vllm_plugins.draft_sources]
+        bigram = tests.hybrid_example_source:BigramSource
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "bigram" in sources.available()
+    _, options = translate({"method": "hybrid", "sources": ["bigram", "ngram"],
+                            "source_options": {"bigram": {"min_count": 1}}})
+    assert options["sources"] == ["bigram", "ngram"]
+    p = hybrid(sources=["bigram"], source_options={"bigram": {"min_count": 1}})
+    d = p.step(StepContext([request([4, 5, 6, 4, 5])], max_draft=4))
+    assert d.tokens[0] == [6, 4, 5, 6]
+    with pytest.raises(ValueError, match="'min_count' of draft source 'bigram'"):
+        translate({"method": "hybrid", "sources": ["bigram"],
+                   "source_options": {"bigram": {"min_count": 0}}})
+    assert "tests.hybrid_example_source" in sys.modules
+
+
+# ------------------------------------------------------------ calibration
+def test_calibration_learns_which_source_is_right():
+    """Two sources disagree at the root with the same raw estimate; the
+    target always takes source 'right's token. Soon the merged tree ranks
+    it first, and the accepted tokens are counted to it."""
+
+    class Fixed(DraftSource):
+        def propose(self, request, budget):
+            return SourceTree.chain([self.options["token"]], [0.5])
+
+    p = hybrid(sources=["ngram"])
+    p.sources = [Fixed({"token": 1}, VOCAB, 4), Fixed({"token": 2}, VOCAB, 4)]
+    p.source_names = ("wrong", "right")
+    p.merger, p.calibrator = Merger(2), type(p.calibrator)(2, 4)
+    for name in ("source_errors", "source_nodes", "source_accepted", "source_alone"):
+        setattr(p, name, np.zeros(2, int))
+    context, emitted = [9, 9], [9]
+    for _ in range(20):
+        d = p.step(StepContext([request(context, emitted)], max_draft=4))
+        emitted = [2, 2]          # the right draft accepted, and the target's next
+        context = context + emitted
+    assert d.tokens[0][0] == 2 and d.confidence[0][0] > 0.8
+    assert d.confidence[0][1] < 0.2
+    assert p.source_accepted.tolist() == [0, 19]
+
+
+# ----------------------------------------------------- options, requests
+def test_hybrid_is_not_a_vllm_method_name_and_options_are_checked(monkeypatch):
+    assert "hybrid" not in vllm_method_names()
+    vllm, options = translate({"method": "hybrid", "sources": ["ngram", "token_recycling"],
+                               "num_speculative_tokens": 8})
+    assert vllm["method"] == "custom_class" and options["sources"] == ["ngram",
+                                                                      "token_recycling"]
+    for bad, needle in ((["nope"], "unknown draft source 'nope'"),
+                        (["ngram", "ngram"], "names a source twice"),
+                        ([], "non-empty list")):
+        with pytest.raises(ValueError, match=needle):
+            translate({"method": "hybrid", "sources": bad})
+    with pytest.raises(ValueError, match="not among the sources"):
+        translate({"method": "hybrid", "sources": ["ngram"],
+                   "source_options": {"suffix": {}}})
+    with pytest.raises(ValueError, match="'prompt_lookup_max' of draft source 'ngram'"):
+        translate({"method": "hybrid", "sources": ["ngram"],
+                   "source_options": {"ngram": {"prompt_lookup_max": 0}}})
+    monkeypatch.setattr(sources, "suffix_available", lambda: False)
+    with pytest.raises(ValueError, match="'suffix' needs arctic-inference"):
+        translate({"method": "hybrid", "sources": ["suffix"]})
+    assert "suffix" not in sources.default_sources()
+
+
+def test_per_request_speculation_narrows_and_names_what_is_wrong():
+    engine = ("suffix", "token_recycling", "ngram")
+    assert speculation_request(None, 8, engine) == (None, None)
+    assert speculation_request({"speculation": {"max_draft": 0}}, 8, engine) == (0, None)
+    assert speculation_request({"speculation": {"sources": ["ngram", "suffix"]}}, 8,
+                               engine) == (None, ("suffix", "ngram"))
+    for spec, needle in (({"max_drafts": 1}, r"unknown key\(s\) \['max_drafts'\]"),
+                         ({"max_draft": 9}, r'\["max_draft"\] must be an integer in \[0, 8\]'),
+                         ({"max_draft": -1}, r'\["max_draft"\]'),
+                         ({"max_draft": True}, r'\["max_draft"\]'),
+                         ({"sources": ["bigram"]}, r"names \['bigram'\]"),
+                         ({"sources": []}, r'\["sources"\] must be a non-empty'),
+                         ("fast", "must be an object")):
+        with pytest.raises(ValueError, match=needle):
+            speculation_request({"speculation": spec}, 8, engine)
+    with pytest.raises(ValueError, match="hybrid method only"):
+        speculation_request({"speculation": {"sources": ["ngram"]}}, 8, None)
+
+
+def test_a_request_narrows_the_hybrid_to_its_sources_and_draft_cap():
+    from types import SimpleNamespace
+
+    p = hybrid(sources=["ngram", "token_recycling"])
+    context = [7, 8, 9, 7, 8, 9, 7, 8]
+
+    def drafts(extra):
+        params = SimpleNamespace(extra_args=extra, temperature=0.0)
+        return p.step(StepContext([request(context, params=params)], max_draft=8)).tokens[0]
+
+    assert len(drafts(None)) > 2
+    assert drafts({"speculation": {"max_draft": 0}}) == []
+    assert len(drafts({"speculation": {"max_draft": 2}})) == 2
+    before = p.source_nodes.copy()
+    drafts({"speculation": {"sources": ["ngram"]}})
+    assert p.source_nodes[1] == before[1] and p.source_nodes[0] > before[0]
+    assert drafts({"speculation": {"max_draft": 99}}) == [] and p.request_errors == 1
