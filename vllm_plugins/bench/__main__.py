@@ -42,6 +42,11 @@ def _step_costs():
     return step_costs
 
 
+def _tree_profile():
+    from vllm_plugins.bench import tree_profile
+    return tree_profile
+
+
 def _kernel_sizes():
     from vllm_plugins.bench import kernel_sizes
     return kernel_sizes
@@ -65,6 +70,8 @@ SUBCOMMANDS = {
                                                     "token while a large schema compiles"),
     "step-costs": (_step_costs, "a verification step's time by token count, chain "
                                 "against tree"),
+    "tree-profile": (_tree_profile, "where a tree step's time goes, part by part, against "
+                                    "a chain step of the same tokens"),
     "kernel-sizes": (_kernel_sizes, "a new token count in vLLM's CPU linear layers; "
                                     "the tree attention twin's CPU time"),
     "tree-kernels-gpu": (_tree_kernels_gpu, "the tree kernels' cost on a CUDA GPU"),
