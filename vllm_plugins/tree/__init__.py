@@ -1,4 +1,5 @@
-"""Tree drafts: the layout (draft.py) and the acceptance rules (acceptance.py).
+"""Tree drafts: the layout (draft.py), the acceptance rules (acceptance.py),
+and which requests a tree may serve and which sample greedily (sampling.py).
 
 A proposer may return, per request, nodes in topological order with each
 node's parent; the bridge verifies every node in one target forward and asks
