@@ -1,0 +1,129 @@
+"""The hybrid method inside vLLM's engine: greedy output token for token
+that of plain decoding, as trees under the goodput policy and as chains,
+with per-request narrowing (``extra_args["speculation"]``), and with a
+source added through the ``vllm_plugins.draft_sources`` entry-point group
+(the example of docs/hybrid.md, ``tests/hybrid_example_source.py``).
+
+Prompts: two that repeat themselves (where every source has something to
+say) and Spec-Bench dev prompts of three categories, rendered with the
+default model's chat template.
+"""
+
+import textwrap
+
+import pytest
+
+from tests.conftest import shutdown
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 48
+REPEATS = [
+    "Monday: eggs. Tuesday: toast. Monday: eggs. Wednesday: rice. Monday: eggs. "
+    "Tuesday: toast. Monday: eggs. Wednesday: rice. Monday: eggs. Tuesday:",
+    "The cat sat on the mat. The dog sat on the rug. The cat sat on the mat. "
+    "The dog sat on the rug. The cat sat on the mat. The dog sat on the",
+]
+CATEGORIES = ["summarization", "rag", "coding"]
+
+
+def engine(model_path, spec):
+    from vllm import LLM
+
+    return LLM(model=model_path, dtype="float32", max_model_len=1024, max_num_seqs=4,
+               enforce_eager=True, seed=0, speculative_config=spec,
+               use_tqdm_on_load=False)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_path):
+    from transformers import AutoTokenizer
+
+    from vllm_plugins.bench.data import load_questions, render
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = [tok(p)["input_ids"] for p in REPEATS]
+    return ids + [render(tok, q) for q in load_questions(CATEGORIES, per_category=1)]
+
+
+def run(llm, prompts, extra=None):
+    from vllm import SamplingParams
+
+    extra = extra or [None] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             extra_args=e) for e in extra]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain(model_path, prompts):
+    llm = engine(model_path, None)
+    try:
+        return run(llm, prompts)
+    finally:
+        shutdown(llm)
+
+
+def summary(stats) -> str:
+    """Tokens per engine step (the batch's) and the share of drafts accepted."""
+    return (f"tokens/step {stats['tokens'] / max(stats['steps'], 1):.2f}, accepted "
+            f"{stats['accepted']}/{stats['drafted']} drafts")
+
+
+def test_hybrid_trees_and_narrowed_requests_are_plain_decoding(model_path, prompts, plain):
+    from vllm_plugins.bench.engines import engine_stats
+
+    llm = engine(model_path, {"method": "hybrid", "num_speculative_tokens": 16})
+    try:
+        got = run(llm, prompts)
+        stats = engine_stats(llm)
+        narrowed = run(llm, prompts, [{"speculation": {"max_draft": 0}},
+                                      {"speculation": {"sources": ["ngram"]}},
+                                      {"speculation": {"max_draft": 3}},
+                                      {"speculation": {"sources": ["suffix"],
+                                                       "max_draft": 16}},
+                                      None])
+        after = engine_stats(llm)
+    finally:
+        shutdown(llm)
+    proposer = stats["proposer"]
+    assert proposer["num_errors"] == 0, proposer
+    assert all(s["errors"] == 0 for s in proposer["sources"].values()), proposer
+    assert sum(s["accepted"] for s in proposer["sources"].values()) > 0, proposer
+    assert stats["tree_steps"] > 0, stats
+    print("hybrid trees:", summary(stats), proposer["sources"])
+    for i, (g, w) in enumerate(zip(got, plain)):
+        assert g == w, i
+    assert after["proposer"]["request_errors"] == 0, after["proposer"]
+    for i, (g, w) in enumerate(zip(narrowed, plain)):
+        assert g == w, ("narrowed", i)
+
+
+def test_hybrid_chains_with_a_source_from_an_entry_point_are_plain_decoding(
+        model_path, prompts, plain, tmp_path, monkeypatch):
+    from vllm_plugins.bench.engines import engine_stats
+
+    dist = tmp_path / "example_source-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: example-source\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
+        [vllm_plugins.draft_sources]
+        bigram = tests.hybrid_example_source:BigramSource
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    llm = engine(model_path, {"method": "hybrid", "num_speculative_tokens": 8,
+                              "draft_shape": "chain", "sources": ["bigram", "ngram"]})
+    try:
+        got, stats = run(llm, prompts), engine_stats(llm)
+    finally:
+        shutdown(llm)
+    proposer = stats["proposer"]
+    assert proposer["num_errors"] == 0, proposer
+    assert proposer["sources"]["bigram"]["errors"] == 0, proposer
+    assert proposer["sources"]["bigram"]["accepted"] > 0, proposer
+    assert stats.get("tree_steps", 0) == 0, stats
+    print("hybrid chains (bigram, ngram):", summary(stats), proposer["sources"])
+    for i, (g, w) in enumerate(zip(got, plain)):
+        assert g == w, i
