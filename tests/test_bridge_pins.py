@@ -164,6 +164,23 @@ def test_params_validator_is_built_per_engine():
 
 
 
+def test_async_add_request_validates_params_on_the_loop():
+    # bridge/grammar_front.py: AsyncLLM.add_request, a coroutine on the API
+    # server's loop, runs the input processor synchronously, which calls the
+    # custom logits processors' validate_params; generate() goes through it.
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    fn = getattr(AsyncLLM.add_request, "__wrapped__", AsyncLLM.add_request)
+    assert inspect.iscoroutinefunction(fn)
+    assert params(fn)[:4] == ["self", "request_id", "prompt", "params"]
+    assert "request = self.input_processor.process_inputs(" in inspect.getsource(fn)
+    assert "self._validate_params(params" in inspect.getsource(InputProcessor.process_inputs)
+    assert "self.validate_logits_processors_params(params)" in inspect.getsource(
+        InputProcessor._validate_params)
+    assert "await self.add_request(" in inspect.getsource(AsyncLLM.generate)
+
+
 def test_lookahead_is_a_config_property_read_by_scheduler_and_warmup():
     from vllm.config import VllmConfig
     from vllm.v1.core.sched import scheduler
@@ -421,6 +438,14 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
     assert "if self.use_async_scheduling and" in spec_part
     assert "self.kv_caches" in inspect.getsource(GPUModelRunner.initialize_kv_cache) \
         or "self.kv_caches" in inspect.getsource(GPUModelRunner)
+    # bridge/runner.py held_generators: beside other requests, the rejection
+    # sampler draws from seeded requests' generators (by batch index) where
+    # they have drafts; tree requests' are put back before acceptance.
+    uniform = inspect.getsource(rejection_sampler.generate_uniform_probs)
+    assert "generators.get(req_idx)" in uniform and "if n == 0:" in uniform
+    recovered = inspect.getsource(rejection_sampler.sample_recovered_tokens)
+    assert "sampling_metadata.generators.items()" in recovered
+    assert "if num_draft_tokens[i] > 0:" in recovered
 
 
 def test_cpu_attention_forward_reads_a_cache_vllm_wrote():

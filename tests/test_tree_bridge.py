@@ -383,3 +383,112 @@ def test_sampled_acceptance_draws_from_vllms_processed_rows():
     # Same seed, same draw, whatever the unseeded request drew.
     for t in range(7, trials, 97):
         assert seeded[t] == seeded[t % 7]
+
+
+def tree_sample_step(batch, seed, tree_rows, tree_tokens):
+    """One step of ``runner.tree_sample`` with vLLM's own ``_sample`` (its
+    rejection sampler on CPU tensors): ``batch`` is a list of ("tree", 0),
+    ("chain", drafts) or ("prefill", prompt tokens); every request samples
+    at temperature 1, each seeded (the tree request with ``seed``). Returns
+    the tree request's emitted tokens."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_plugins.bridge import runner as bridge_runner
+    from vllm_plugins.bridge.state import attach
+
+    vocab = tree_rows.shape[1]
+    other = torch.Generator().manual_seed(99)
+    req_ids, num_sched, drafts, trees, rows, layout = [], [], {}, {}, [], []
+    for b, (kind, n) in enumerate(batch):
+        rid = f"r{b}"
+        req_ids.append(rid)
+        if kind == "tree":
+            trees[rid] = tree_step.ProposedTree(list(tree_tokens), list(TREE_A), None)
+            drafts[rid] = list(tree_tokens)
+            num_sched.append(len(TREE_A) + 1)
+            rows.append(tree_rows)
+            layout.append(list(tree_tokens))
+        elif kind == "chain":
+            drafts[rid] = [1 + k % (vocab - 1) for k in range(n)]
+            num_sched.append(n + 1)
+            rows.append(torch.randn(n + 1, vocab, generator=other))
+            layout.append(drafts[rid])
+        else:  # a prefill: one row, no drafts
+            num_sched.append(n)
+            rows.append(torch.randn(1, vocab, generator=other))
+            layout.append([])
+    total = sum(num_sched)
+    plan = tree_step.plan(trees, req_ids, np.array(num_sched), np.full(len(batch), 8),
+                          drafts, np.arange(total))
+    meta = SpecDecodeMetadata.make_dummy(layout, torch.device("cpu"))
+    target, bonus, start = [], [], 0
+    for d in layout:
+        target.extend(range(start, start + len(d)))
+        bonus.append(start + len(d))
+        start += len(d) + 1
+    meta.target_logits_indices = torch.tensor(target, dtype=torch.int32)
+    meta.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
+    meta.logits_indices = torch.arange(start, dtype=torch.int32)
+    n = len(batch)
+    tree_index = [k for k, _ in batch].index("tree")
+    gens = {b: torch.Generator().manual_seed(seed if b == tree_index else 1000 + b)
+            for b in range(n)}
+    sm = SamplingMetadata(
+        temperature=torch.ones(n), all_greedy=False, all_random=True, top_p=None,
+        top_k=None, generators=gens, max_num_logprobs=None, no_penalties=True,
+        prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(sampling_metadata=sm,
+                                    update_async_output_token_ids=lambda: None),
+        use_async_scheduling=False, _get_spec_decode_draft_probs=lambda m: None,
+        rejection_sampler=RejectionSampler(Sampler()), sampler=Sampler(),
+        requests={rid: SimpleNamespace(sampling_params=SimpleNamespace(temperature=1.0))
+                  for rid in req_ids},
+        kv_caches=[])
+    attach(runner)
+    original = getattr(GPUModelRunner._sample, "__wrapped__", GPUModelRunner._sample)
+    out = bridge_runner.tree_sample(runner, original, plan, torch.cat(rows), meta)
+    row = out.sampled_token_ids[tree_index].tolist()
+    return [t for t in row if t != tree_step.PLACEHOLDER_TOKEN_ID]
+
+
+def test_a_seeded_tree_request_draws_the_same_alone_and_beside_others():
+    """vLLM's rejection sampler draws from the generator of every seeded
+    request with drafts (bonus, uniform and recovered draws); for a tree
+    request tree acceptance draws again. Its tokens must be acceptance's
+    draws alone: the same seed gives the same tokens in a step of its own,
+    beside a prefill and beside chain requests."""
+    import vllm_plugins
+
+    from vllm.platforms import current_platform
+
+    vllm_plugins.register()  # vLLM's CPU build needs the bridge's expand fix
+    # Without Triton, vLLM's rejection kernels are C++ overrides, which the
+    # CPU platform registers as a worker starts.
+    current_platform.register_triton_kernel_overrides()
+    vocab = 12
+    tokens = [3, 5, 7, 9, 11, 2]
+    gen = torch.Generator().manual_seed(0)
+    tree_rows = torch.randn(len(TREE_A) + 1, vocab, generator=gen)
+    # The target likes the tree's nodes: paths get accepted, not only roots.
+    for i, p in enumerate(TREE_A):
+        tree_rows[p + 1, tokens[i]] += 2.0
+    mixes = {"alone": [("tree", 0)],
+             "beside a prefill": [("prefill", 5), ("tree", 0)],
+             "beside chains": [("chain", 3), ("tree", 0), ("chain", 1)]}
+    accepted = 0
+    for seed in range(24):
+        got = {name: tree_sample_step(batch, seed, tree_rows, tokens)
+               for name, batch in mixes.items()}
+        assert got["beside a prefill"] == got["alone"], (seed, got)
+        assert got["beside chains"] == got["alone"], (seed, got)
+        accepted += len(got["alone"]) - 1
+    assert accepted > 0

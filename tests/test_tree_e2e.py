@@ -14,6 +14,10 @@ of prompts extends the first prompts by part of their output, and prefix
 caching (vLLM's default) serves it from blocks the tree steps filled
 (blocks of 32 tokens, so the first block of each second-wave prompt holds
 generated tokens; the outputs' ``num_cached_tokens`` show the hits).
+
+The same engine then samples a seeded request (drafted a fixed-shape tree
+of its own every step) alone, beside a prefill and beside chain requests:
+its tokens must not depend on what shares its steps.
 """
 
 import json
@@ -39,6 +43,9 @@ PROMPTS = [
 ]
 EXTEND = 24  # output tokens the second wave's prompts carry
 BLOCK_SIZE = 32  # the CPU backend's smallest: a second-wave prompt fills one
+SEEDED_PROMPT = "Once upon a time, in a land far away, there lived a"
+SEEDED_TREE = [-1, -1, 0, 0, 1, 2, 3, 4]  # NODES nodes, two root children
+SEEDED_TOKENS = 24
 
 
 class OracleTreeProposer(PluginProposer):
@@ -50,6 +57,7 @@ class OracleTreeProposer(PluginProposer):
             data = json.load(f)
         self.refs = [np.asarray(s, dtype=np.int64) for s in data["sequences"]]
         self.chain_prompts = {tuple(p) for p in data["chain_prompts"]}
+        self.seeded_prompts = {tuple(p) for p in data.get("seeded_prompts", ())}
 
     def draft(self, ctx):
         tokens, parents = [[] for _ in ctx.requests], [None for _ in ctx.requests]
@@ -57,12 +65,17 @@ class OracleTreeProposer(PluginProposer):
             ctx_tokens = np.asarray(r.context, dtype=np.int64)
             ref = next((s for s in self.refs if len(s) > len(ctx_tokens)
                         and np.array_equal(s[:len(ctx_tokens)], ctx_tokens)), None)
+            prompt = tuple(int(t) for t in ctx_tokens[:r.num_prompt_tokens])
             if ref is None:
+                if prompt in self.seeded_prompts:  # a tree every step, same shape
+                    last = int(ctx_tokens[-1])
+                    tokens[i] = [(last * 31 + 17 * (k + 1)) % 49152
+                                 for k in range(budget)]
+                    parents[i] = SEEDED_TREE[:budget]
                 continue
             truth = [int(t) for t in ref[len(ctx_tokens):]]
             rng = np.random.default_rng(len(ctx_tokens))
             right = int(rng.integers(0, 4))  # the right branch's correct depth
-            prompt = tuple(int(t) for t in ctx_tokens[:r.num_prompt_tokens])
             if prompt in self.chain_prompts:
                 tokens[i] = (truth[:right] + [truth[right] + 1 if right < len(truth)
                                               else 1])[:budget]
@@ -157,7 +170,8 @@ def reference(tiny_model, tmp_path_factory):
     path = tmp_path_factory.mktemp("oracle") / "oracle.json"
     seqs = [p + o for p, o in zip(prompt_ids, batch4)]
     path.write_text(json.dumps({"sequences": seqs,
-                                "chain_prompts": [prompt_ids[1], prompt_ids[3]]}))
+                                "chain_prompts": [prompt_ids[1], prompt_ids[3]],
+                                "seeded_prompts": [tok(SEEDED_PROMPT)["input_ids"]]}))
     return {"prompt_ids": prompt_ids, "batch4": batch4, "batch1": batch1,
             "wave2": wave2, "oracle": str(path)}
 
@@ -174,7 +188,9 @@ def run_oracle_engine(tiny_model: str, oracle: str, prompt_ids, batch4, out: str
     os.environ[ORACLE_ENV] = oracle
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     register_method("tree_oracle_test", f"{__name__}.OracleTreeProposer")
-    llm = engine(tiny_model, {"method": "tree_oracle_test", "num_speculative_tokens": NODES})
+    # Fixed draft lengths: every step of the seeded request verifies a tree.
+    llm = engine(tiny_model, {"method": "tree_oracle_test", "num_speculative_tokens": NODES,
+                              "draft_length": "fixed"})
     try:
         first, _ = requests(prompt_ids)
         got4 = generate(llm, first)
@@ -183,17 +199,59 @@ def run_oracle_engine(tiny_model: str, oracle: str, prompt_ids, batch4, out: str
         cached: list[int] = []
         wave2 = generate(llm, second, cached)
         stats = engine_stats(llm)
+        seeded = seeded_runs(llm, prompt_ids)
     finally:
         shutdown(llm)
     with open(out, "w") as f:
         json.dump({"got4": got4, "got1": got1, "wave2": wave2, "cached": cached,
-                   "stats": stats}, f)
+                   "stats": stats, "seeded": seeded}, f)
 
 
-def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
+def seeded_runs(llm, prompt_ids):
+    """The seeded request's tokens alone, beside a prefill (a request that
+    arrives while it decodes) and beside chain requests (which ask for
+    logprobs, so their trees go out as chains), with the engine's tree
+    counters over each run."""
+    from vllm import SamplingParams
+
+    from vllm_plugins.bench.engines import engine_stats
+
+    eng = llm.llm_engine
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=SEEDED_TOKENS,
+                            ignore_eos=True)
+    prompt = {"prompt_token_ids": llm.get_tokenizer()(SEEDED_PROMPT)["input_ids"]}
+    chain = SamplingParams(temperature=0.0, max_tokens=SEEDED_TOKENS, ignore_eos=True,
+                           logprobs=1)
+    prefill = SamplingParams(temperature=0.0, max_tokens=1)
+    out = {}
+    for name in ("alone", "beside a prefill", "beside chains"):
+        before = engine_stats(llm)
+        eng.add_request(f"{name}-seeded", prompt, seeded)
+        if name == "beside chains":
+            for k in (1, 3):
+                eng.add_request(f"{name}-{k}", {"prompt_token_ids": prompt_ids[k]}, chain)
+        steps, tokens = 0, []
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.request_id == f"{name}-seeded" and o.finished:
+                    tokens = list(o.outputs[0].token_ids)
+            steps += 1
+            if name == "beside a prefill" and steps in (3, 9):
+                eng.add_request(f"{name}-{steps}", {"prompt_token_ids": prompt_ids[0]},
+                                prefill)
+        after = engine_stats(llm)
+        out[name] = {"tokens": tokens, **{k: after[k] - before[k]
+                                          for k in ("tree_steps", "tree_only_steps")}}
+    return out
+
+
+@pytest.fixture(scope="module")
+def oracle_run(tiny_model, reference, tmp_path_factory):
+    """run_oracle_engine's result, in a fresh process."""
     import subprocess
     import sys
 
+    tmp_path = tmp_path_factory.mktemp("oracle_run")
     args = tmp_path / "args.json"
     out = tmp_path / "out.json"
     args.write_text(json.dumps([str(tiny_model), reference["oracle"],
@@ -204,7 +262,11 @@ def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(args)], cwd=root,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_greedy_tree_output_is_plain_decoding(reference, oracle_run):
+    result = oracle_run
     got4, got1, wave2, stats = (result["got4"], result["got1"], result["wave2"],
                                 result["stats"])
     assert stats["proposer"]["num_errors"] == 0, stats
@@ -225,6 +287,21 @@ def test_greedy_tree_output_is_plain_decoding(tiny_model, reference, tmp_path):
                                    len(prompt) + EXTEND, result["cached"])
     for i, (g, w) in enumerate(zip(wave2, reference["wave2"])):
         assert g == w, ("prefix-cached second wave", i)
+
+
+def test_a_seeded_tree_request_samples_the_same_beside_any_request(oracle_run):
+    """Sampled at temperature 1 with a seed, drafted a tree every step: the
+    tokens alone (every step a step of trees only: vLLM's sampler skipped),
+    beside a prefill and beside chain requests (steps where vLLM's sampler
+    runs for the chains and the prefill) are the same."""
+    runs = oracle_run["seeded"]
+    alone = runs["alone"]
+    assert len(alone["tokens"]) == SEEDED_TOKENS, runs
+    assert alone["tree_steps"] > 0 and alone["tree_only_steps"] == alone["tree_steps"], runs
+    for name in ("beside a prefill", "beside chains"):
+        # Teeth: steps mixed the tree request with requests vLLM samples.
+        assert runs[name]["tree_only_steps"] < runs[name]["tree_steps"], (name, runs)
+        assert runs[name]["tokens"] == alone["tokens"], (name, runs)
 
 
 # ------------------------------------------------------ the default model

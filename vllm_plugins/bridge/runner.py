@@ -228,7 +228,10 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
         index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
                            for s, r in zip(starts, plan.requests)]).to(logits.device)
         tree_logits = logits.index_select(0, index).float()
+        held = held_generators(plan, runner.input_batch.sampling_metadata)
         out = original(runner, logits, spec_decode_metadata)
+        for generator, state in held:
+            generator.set_state(state)
     params = [getattr(runner.requests.get(r.req_id), "sampling_params", None)
               for r in plan.requests]
     results = tree_step.accept(plan, params, tree_logits, num_draft,
@@ -244,6 +247,19 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
     counters.tree_requests += len(plan.requests)
     counters.kv_moved += len(src)
     return out
+
+
+def held_generators(plan, sampling_metadata) -> list:
+    """(generator, state) of each seeded tree request, to put back after
+    vLLM's sampler. That sampler draws from the generator of every seeded
+    request with drafts (its bonus, uniform and recovered draws), tree
+    requests included, before tree acceptance draws their tokens; put back,
+    a tree request's tokens are the same beside other requests as in a step
+    of its own, whose sampler does not run (vLLM keeps requests without
+    drafts out of those draws for the same reason)."""
+    generators = getattr(sampling_metadata, "generators", None) or {}
+    held = [generators.get(r.batch_index) for r in plan.requests]
+    return [(g, g.get_state()) for g in held if g is not None]
 
 
 def only_trees(runner, plan, num_draft) -> bool:
