@@ -173,6 +173,3 @@ def main(argv=None) -> int:
             json.dump({"args": vars(args), "by_tokens": rows, "records": records}, f, indent=1)
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
