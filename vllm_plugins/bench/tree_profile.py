@@ -172,4 +172,3 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "by_tokens": rows, "records": records}, f, indent=1)
     return 0
-
