@@ -124,6 +124,7 @@ class PluginProposer:
                     drafts = Drafts([[] for _ in ctx.requests])
                 else:
                     drafts = self.controller.shape(ctx, self.draft(ctx), observation)
+            drafts = cap_requests(ctx, drafts)
             self.proposed(ctx, drafts)
             return drafts
         except Exception:  # a proposer bug costs drafts, never the engine
@@ -179,7 +180,9 @@ class PluginProposer:
         """
         for i, r in enumerate(ctx.requests):
             if not r.in_prefill:
-                yield i, r, self.draft_budget(ctx, r.req_id)
+                budget = self.draft_budget(ctx, r.req_id)
+                cap = request_draft_cap(r.sampling_params, ctx.max_draft)
+                yield i, r, budget if cap is None else min(budget, cap)
 
     def free(self, req_id: str) -> None:
         """Drop per-request state of a finished or aborted request."""
@@ -202,6 +205,34 @@ class PluginProposer:
             # (docs/draft_length_design.md, "Trees").
             options = {"cost_features": "tokens+batch+context", **(options or {})}
         return make_controller(name, options, self.max_draft)
+
+
+def request_draft_cap(sampling_params, max_draft: int) -> int | None:
+    """A request's own draft cap (``extra_args["speculation"]["max_draft"]``,
+    ``sources.request``), or None. A request the front end should have
+    refused drafts nothing."""
+    extra = getattr(sampling_params, "extra_args", None)
+    if not extra or "speculation" not in extra:
+        return None
+    from vllm_plugins.proposers.sources.request import speculation_request
+
+    try:
+        return speculation_request(extra, max_draft, check_sources=False)[0]
+    except ValueError:
+        return 0
+
+
+def cap_requests(ctx: StepContext, drafts: Drafts) -> Drafts:
+    """Every request's drafts cut to its own cap, whatever drafted them (a
+    prefix of a tree is a tree): a request's ``max_draft`` holds for every
+    method."""
+    keep = [len(t) for t in drafts.tokens]
+    capped = False
+    for i, r in enumerate(ctx.requests[:len(keep)]):
+        cap = request_draft_cap(r.sampling_params, ctx.max_draft)
+        if cap is not None and cap < keep[i]:
+            keep[i], capped = cap, True
+    return trim(drafts, keep) if capped else drafts
 
 
 def verification_depends_on_token(sampling_params) -> bool:

@@ -93,6 +93,11 @@ class HybridProposer(PluginProposer):
                 f"{options['draft_length']!r}")
 
     @classmethod
+    def engine_sources(cls, options: dict) -> tuple[str, ...]:
+        """The source names an engine with these options runs."""
+        return tuple(options["sources"] or default_sources())
+
+    @classmethod
     def resolve_sources(cls, where: str, options: dict) -> list[tuple[str, type, dict]]:
         """(name, class, resolved options) per source; ValueError names the
         option, the source and what is wrong."""

@@ -247,11 +247,46 @@ def test_per_request_speculation_narrows_and_names_what_is_wrong():
                          ({"max_draft": True}, r'\["max_draft"\]'),
                          ({"sources": ["bigram"]}, r"names \['bigram'\]"),
                          ({"sources": []}, r'\["sources"\] must be a non-empty'),
-                         ("fast", "must be an object")):
+                         ("fast", "not valid JSON text"),
+                         (5, "must be an object")):
         with pytest.raises(ValueError, match=needle):
             speculation_request({"speculation": spec}, 8, engine)
     with pytest.raises(ValueError, match="hybrid method only"):
         speculation_request({"speculation": {"sources": ["ngram"]}}, 8, None)
+    # the OpenAI server's vllm_xargs carry it as JSON text
+    assert speculation_request({"speculation": '{"max_draft": 2}'}, 8, None) == (2, None)
+
+
+def test_admission_checks_against_the_engine_configured_last():
+    from vllm_plugins.proposers.sources import request as req
+
+    translate({"method": "hybrid", "sources": ["ngram"], "num_speculative_tokens": 4})
+    req.validate_speculation({"speculation": {"max_draft": 4, "sources": ["ngram"]}})
+    with pytest.raises(ValueError, match=r'\["max_draft"\] must be an integer in \[0, 4\]'):
+        req.validate_speculation({"speculation": {"max_draft": 5}})
+    with pytest.raises(ValueError, match=r"names \['suffix'\]"):
+        req.validate_speculation({"speculation": {"sources": ["suffix"]}})
+    translate({"method": "token_recycling", "num_speculative_tokens": 6})
+    req.validate_speculation({"speculation": {"max_draft": 6}})
+    with pytest.raises(ValueError, match="hybrid method only"):
+        req.validate_speculation({"speculation": {"sources": ["ngram"]}})
+
+
+def test_a_draft_cap_holds_for_every_method_and_trees_still_serve_the_request():
+    from types import SimpleNamespace
+
+    from vllm_plugins.proposers.token_recycling import TokenRecyclingProposer
+    from vllm_plugins.tree.sampling import tree_allowed
+
+    p = TokenRecyclingProposer(None, {"draft_length": "fixed", "draft_shape": "tree"},
+                               vocab_size=VOCAB)
+    context = [7, 8, 9, 7, 8, 9, 7, 8]
+    params = SimpleNamespace(extra_args={"speculation": {"max_draft": 1}}, temperature=0.0)
+    assert tree_allowed(params)
+    assert not tree_allowed(SimpleNamespace(extra_args={"speculation": {}, "other": 1}))
+    d = p.step(StepContext([request(context), request(context, req_id="b", params=params)],
+                           max_draft=6))
+    assert len(d.tokens[0]) > 1 and len(d.tokens[1]) == 1
 
 
 def test_a_request_narrows_the_hybrid_to_its_sources_and_draft_cap():

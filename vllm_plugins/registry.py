@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_plugins.options import resolve
+from vllm_plugins.proposers.sources.request import note_engine
 
 PLUGIN_OPTIONS_ATTR = "vllm_plugins_options"
 # vllm.v1.sample.rejection_sampler.MAX_SPEC_LEN: the rejection sampler
@@ -143,4 +144,5 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
             f"per request), got {num!r}")
     rest["method"] = "custom_class"
     rest["model"] = method.class_path
+    note_engine(method.name, num, getattr(cls, "engine_sources", lambda o: None)(options))
     return rest, options

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 # vLLM samples greedily below this temperature (SamplingParams.sampling_type).
 SAMPLING_EPS = 1e-5
+# extra_args keys no logits processor reads: the request's own say over
+# speculation (vllm_plugins.proposers.sources.request), which leaves
+# sampling as it is, so a tree may still serve the request.
+SPECULATION_ONLY_KEYS = frozenset({"speculation"})
 
 
 def is_greedy(params) -> bool:
@@ -25,7 +29,8 @@ def tree_allowed(sampling_params) -> bool:
     """Whether a request may be verified as a tree: no feature whose
     sampler path the tree acceptance does not reproduce (logprobs,
     penalties, bad words, structured outputs, logits processors and biases,
-    min_tokens, min_p, allowed tokens). Proposers call it before building a
+    min_tokens, min_p, allowed tokens; extra_args, which custom logits
+    processors read, but for ``speculation``). Proposers call it before building a
     tree; the bridge enforces it by cutting other requests' trees to a chain.
     """
     p = sampling_params
@@ -43,6 +48,6 @@ def tree_allowed(sampling_params) -> bool:
         or getattr(p, "allowed_token_ids", None)
         or getattr(p, "min_tokens", 0)
         or getattr(p, "min_p", 0.0) > 0.0
-        or getattr(p, "extra_args", None)
+        or set(getattr(p, "extra_args", None) or ()) - SPECULATION_ONLY_KEYS
         or getattr(p, "thinking_token_budget", None) is not None
     )
