@@ -4,13 +4,19 @@ Slow (one server start, ~1 min here on an idle machine; on a 2-core box
 shared with other engines, whose workers vLLM pins to core 0 by default,
 ``VLLM_CPU_OMP_THREADS_BIND=1`` in the environment avoids a stalled start). Checks what a deployment sees: no
 ``--logits-processors`` flag, grammar given as JSON text in ``vllm_xargs``,
-a bad grammar answered with HTTP 400 naming the problem, and the server still
-serving afterwards.
+a bad grammar answered with HTTP 400 naming the problem, the server still
+serving afterwards, and a grammar's validation (made slow on purpose, see
+``tests/slow_grammar/sitecustomize.py``) not pausing another stream.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
+import urllib.request
+import uuid
 
 import pytest
 
@@ -18,6 +24,8 @@ from tests.serving import post as _post, running_server
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
+
+SLOW_SECONDS = 4.0
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +38,13 @@ def server(tmp_path_factory):
         pytest.skip("package not installed with its entry points (pip install -e .)")
     model = default_model_path()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with running_server(model, [], log) as base:
+    # Grammars with the slow marker compile SLOW_SECONDS longer in every
+    # process of this server (tests/slow_grammar/sitecustomize.py).
+    slow = os.path.join(os.path.dirname(os.path.abspath(__file__)), "slow_grammar")
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (slow, os.environ.get("PYTHONPATH"))
+                                         if p),
+           "VLLM_PLUGINS_TEST_SLOW_GRAMMAR": str(SLOW_SECONDS)}
+    with running_server(model, [], log, env=env) as base:
         yield base, model
 
 
@@ -91,3 +105,60 @@ def test_server_bad_grammar_is_400_and_server_keeps_serving(server, grammar, nee
         "model": model, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
     })
     assert status == 200 and body["choices"][0]["text"], body
+
+
+def first_token_seconds(base: str, model: str) -> float:
+    """Seconds from sending a plain streamed completion to its first token."""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4,
+                       "temperature": 0, "stream": True}).encode()
+    req = urllib.request.Request(base + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                return time.perf_counter() - start
+    raise AssertionError("the stream ended without a token")
+
+
+def while_validating(base: str, model: str, grammar: dict) -> tuple[float, float, int, float]:
+    """(TTFT of a plain request sent while ``grammar`` validates, seconds the
+    grammar request took, its HTTP status, TTFT of a plain request alone)."""
+    took = {}
+
+    def grammar_request():
+        start = time.perf_counter()
+        status, body = _post(base + "/v1/completions", {
+            "model": model, "prompt": "x", "max_tokens": 2, "temperature": 0,
+            "vllm_xargs": {"grammar": json.dumps(grammar)}})
+        took["seconds"] = time.perf_counter() - start
+        took["status"] = (status, body)
+
+    alone = first_token_seconds(base, model)
+    thread = threading.Thread(target=grammar_request)
+    thread.start()
+    time.sleep(0.3)  # the grammar request has reached validation
+    ttft = first_token_seconds(base, model)
+    thread.join()
+    return ttft, took["seconds"], took["status"][0], alone
+
+
+def test_validation_runs_off_the_event_loop(server):
+    """A plain stream's first token does not wait for another request's
+    grammar validation (made SLOW_SECONDS slow here): were validation on the
+    server's event loop, it would take at least SLOW_SECONDS - 0.3 s."""
+    base, model = server
+    grammar = {"regex": f"(vllm-plugins-slow-{uuid.uuid4().hex})?[a-z]+"}
+    ttft, grammar_seconds, status, alone = while_validating(base, model, grammar)
+    # Measured with a real large schema as well (printed: a wall-clock figure
+    # on a shared machine, not asserted).
+    large = {"json_schema": {"type": "object", "properties": {
+        f"q{i}_{uuid.uuid4().hex[:6]}": {"enum": [f"v{j}" for j in range(50)]}
+        for i in range(800)}}}
+    large_ttft, large_seconds, _, large_alone = while_validating(base, model, large)
+    print(f"\nTTFT of a plain request alone {alone:.2f} s, during validation "
+          f"{ttft:.2f} s (slow grammar request {grammar_seconds:.2f} s); alone "
+          f"{large_alone:.2f} s, during a large schema's validation {large_ttft:.2f} s "
+          f"(its request {large_seconds:.2f} s)")
+    assert status == 200 and grammar_seconds >= SLOW_SECONDS  # the marker slowed it
+    assert ttft < SLOW_SECONDS / 3, (ttft, grammar_seconds)

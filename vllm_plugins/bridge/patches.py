@@ -10,7 +10,8 @@ what ``scripts/`` compares between two releases.
 
 from __future__ import annotations
 
-from vllm_plugins.bridge import config, cpu_fixes, grammar_hold, runner, verify_processors
+from vllm_plugins.bridge import (config, cpu_fixes, grammar_front, grammar_hold, runner,
+                                 verify_processors)
 from vllm_plugins.bridge.patching import Patch
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
@@ -33,6 +34,13 @@ PATCHES: tuple[Patch, ...] = (
           "unconstrained is refused (HTTP 400) instead",
           _PINS + "test_params_validator_is_built_per_engine",
           config.wrap_params_validator),
+    Patch("grammar.validate_off_loop",
+          "vllm.v1.engine.async_llm:AsyncLLM.add_request",
+          "a request's grammar compiles on a thread before vLLM's input "
+          "processor validates it on the API server's event loop, so a large "
+          "schema does not pause the server's other streams",
+          _PINS + "test_async_add_request_validates_params_on_the_loop",
+          grammar_front.wrap_add_request),
     Patch("config.self_draft_lookahead",
           "vllm.config:VllmConfig.num_lookahead_tokens",
           "the scheduler reserves KV slots for drafts that self-drafting "
