@@ -306,3 +306,15 @@ def test_a_request_narrows_the_hybrid_to_its_sources_and_draft_cap():
     drafts({"speculation": {"sources": ["ngram"]}})
     assert p.source_nodes[1] == before[1] and p.source_nodes[0] > before[0]
     assert drafts({"speculation": {"max_draft": 99}}) == [] and p.request_errors == 1
+
+
+def test_the_documented_example_source_is_the_tested_one():
+    """docs/hybrid.md shows tests/hybrid_example_source.py whole: the code
+    a reader copies is the code the e2e test proves lossless."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "hybrid.md").read_text()
+    block = doc.split("(`tests/hybrid_example_source.py`):\n\n```python\n", 1)[1]
+    block = block.split("```", 1)[0]
+    assert block == (root / "tests" / "hybrid_example_source.py").read_text()
