@@ -16,9 +16,11 @@ bridge's own work on an awake step:
   wrote a fresh [rows, vocab] float32 tensor only to read k values of each
   row: at a 262k vocabulary and 112 verified rows, 112 MiB allocated and
   faulted in, which cost as much as the arithmetic. ``log_softmax`` (one
-  fused kernel) now goes a few rows at a time into one small buffer, sized
-  to stay in cache, with a row per thread so a multi-threaded engine still
-  spreads the rows over its cores.
+  fused kernel) goes instead a chunk of rows at a time into one buffer of
+  ``CHUNK_BYTES``, at least a row per thread so that a multi-threaded engine
+  still spreads the rows over its cores. Smaller chunks gain little on an
+  idle core and lose much on a busy host, where every chunk's parallel
+  region waits for its slowest thread.
 
 Logits in bfloat16 or float16 are read as they are (their float32 values
 are the same, in the same order) and never copied whole to float32.
@@ -29,8 +31,8 @@ from __future__ import annotations
 import torch
 
 BLOCK = 64
-# Rows of log_softmax output per thread per chunk: about this many bytes.
-CHUNK_BYTES = 1 << 20
+# log_softmax output per chunk of rows (at least one row per thread).
+CHUNK_BYTES = 8 << 20
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,7 @@ def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits.float())`` at ``ids`` (rows x n), in float32,
     a chunk of rows at a time through one reused buffer."""
     rows, vocab = logits.shape
-    per = max(1, CHUNK_BYTES // (4 * vocab)) * max(1, torch.get_num_threads())
+    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
     out = torch.empty(ids.shape, dtype=torch.float32)
     buf = torch.empty(min(per, rows), vocab, dtype=torch.float32)
     for start in range(0, rows, per):
