@@ -42,7 +42,7 @@ from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.proposers.sources import default_sources, source_class
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
-from vllm_plugins.proposers.sources.merge import MAX_SOURCES, Merger
+from vllm_plugins.proposers.sources.merge import MAX_SOURCES, Merger, outcomes
 from vllm_plugins.proposers.sources.merge import warm_up as warm_up_merge
 from vllm_plugins.proposers.sources.request import speculation_request
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
@@ -61,14 +61,6 @@ class MergedTree:
     mask: np.ndarray        # bit s: source s proposed the node
     raw: np.ndarray         # [node, source] the source's own estimate (NaN: none)
     context_len: int
-
-
-def tree_depths(parents: np.ndarray) -> np.ndarray:
-    """Depth of each node of a topological parent list (root children 1)."""
-    d = np.zeros(len(parents), np.int64)
-    for i, p in enumerate(parents.tolist()):
-        d[i] = 1 if p < 0 else d[p] + 1
-    return d
 
 
 class HybridProposer(PluginProposer):
@@ -221,16 +213,14 @@ class HybridProposer(PluginProposer):
         anything; the tree is kept for the next step's outcomes."""
         if budget <= 0:
             return None
-        trees, cals = [], []
+        trees = []
         for k in active:
             t = self._guard(k, "propose", self._propose, k, r, budget)
-            if t is None or len(t) == 0:
-                continue
-            trees.append((k, t))
-            cals.append(self.calibrator.calibrate(k, tree_depths(t.parents), t.confidence))
+            if t is not None and len(t):
+                trees.append((k, t))
         if not trees:
             return None
-        tok, par, cond, mask, depth, q, raw = self.merger.merge(trees, cals, budget)
+        tok, par, cond, mask, depth, q, raw = self.merger.merge(trees, self.calibrator, budget)
         self._merged[r.req_id] = MergedTree(tok, par, depth, mask, raw, len(r.context))
         for k, _ in trees:
             self.source_nodes[k] += int(np.count_nonzero(mask & (1 << k)))
@@ -248,31 +238,21 @@ class HybridProposer(PluginProposer):
         srcs, depths, confs, outs = [], [], [], []
         for r in ctx.requests:
             rec = self._merged.pop(r.req_id, None)
-            emitted = np.asarray(r.accepted, np.int64)
-            if rec is None or len(emitted) == 0 \
-                    or len(r.context) - len(emitted) != rec.context_len:
+            if rec is None or len(r.accepted) == 0 \
+                    or len(r.context) - len(r.accepted) != rec.context_len:
                 continue
-            on_path = {-1}
-            node = -1
-            path = []
-            for d in range(len(emitted) - 1):
-                hit = np.nonzero((rec.parents == node) & (rec.tokens == emitted[d]))[0]
-                if len(hit) == 0:
-                    break
-                node = int(hit[0])
-                path.append(node)
-                on_path.add(node)
-            observed = np.isin(rec.parents, list(on_path))
+            n = len(rec.tokens)
+            observed, accepted = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
+            path = np.zeros(n, np.int64)
+            m = outcomes(rec.tokens, rec.parents, rec.depth,
+                         np.asarray(r.accepted, np.int64), observed, accepted, path)
             idx = np.nonzero(observed)[0]
-            if len(idx) == 0:
-                continue
-            accepted = rec.tokens[idx] == emitted[rec.depth[idx] - 1]
             node_i, src = np.nonzero(~np.isnan(rec.raw[idx]))
             srcs.append(src)
             depths.append(rec.depth[idx][node_i])
             confs.append(rec.raw[idx][node_i, src])
-            outs.append(accepted[node_i].astype(np.float64))
-            for v in path:
+            outs.append(accepted[idx][node_i].astype(np.float64))
+            for v in path[:m].tolist():
                 bits = [k for k in range(len(self.sources)) if rec.mask[v] >> k & 1]
                 for k in bits:
                     self.source_accepted[k] += 1

@@ -11,6 +11,7 @@ import pytest
 from vllm_plugins.proposers import sources
 from vllm_plugins.proposers.hybrid import HybridProposer
 from vllm_plugins.proposers.sources import DraftSource, SourceTree
+from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 from vllm_plugins.proposers.sources.lookup import LookupSource
 from vllm_plugins.proposers.sources.merge import Merger
 from vllm_plugins.proposers.sources.request import speculation_request
@@ -25,8 +26,16 @@ def tree(tokens, parents, conf):
                       np.array(conf, np.float64))
 
 
+class Uncalibrated(SourceCalibrator):
+    """A calibration that has seen nothing and trusts the raw estimates."""
+
+    def __init__(self):
+        super().__init__(4, 8)
+        self.strength = 1e12
+
+
 def merge(trees, budget):
-    return Merger(4).merge(trees, [t.confidence for _, t in trees], budget)
+    return Merger(4).merge(trees, Uncalibrated(), budget)
 
 
 def request(context, accepted=(), req_id="a", prompt=None, params=None):
@@ -88,6 +97,19 @@ def test_merged_nodes_are_best_first_topological_and_cut_to_the_budget():
                 assert tuple(reversed(path)) in paths
         # the cut keeps the budget's best nodes of the whole trie
         np.testing.assert_allclose(q, full[5][:len(q)])
+
+
+def test_the_merge_calibrates_each_candidate_as_the_calibrator_does():
+    rng = np.random.default_rng(1)
+    cal = SourceCalibrator(3, 8)
+    n = 400
+    cal.learn(rng.integers(0, 3, n), rng.integers(1, 9, n), rng.uniform(0, 1, n),
+              rng.integers(0, 2, n))
+    t = tree([1, 2, 3, 4, 5], [-1, 0, 0, 2, -1], [0.95, 0.3, 0.55, 0.05, 0.7])
+    tok, par, cond, mask, depth, q, raw = Merger(3).merge([(2, t)], cal, 10)
+    want = cal.calibrate(2, np.array([1, 2, 2, 3, 1]), t.confidence)
+    order = [tok.tolist().index(x) for x in (1, 2, 3, 4, 5)]
+    np.testing.assert_allclose(cond[order], want)
 
 
 def test_best_chain_takes_the_path_with_most_expected_accepted_tokens():

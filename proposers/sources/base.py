@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 
 from vllm_plugins.options import Option
+from vllm_plugins.proposers.jit import cached_njit
 
 if TYPE_CHECKING:
     from vllm_plugins.step_context import Drafts, RequestStep, StepContext
@@ -57,18 +58,31 @@ class SourceTree:
         rule it breaks (the hybrid then drops this source's candidates for
         the step)."""
         n = len(self.tokens)
-        par = np.asarray(self.parents, np.int64)
-        conf = np.asarray(self.confidence, np.float64)
+        par = np.ascontiguousarray(self.parents, np.int64)
+        conf = np.ascontiguousarray(self.confidence, np.float64)
         if len(par) != n or len(conf) != n:
             raise ValueError(f"tokens, parents and confidence differ in length "
                              f"({n}, {len(par)}, {len(conf)})")
         if n > budget:
             raise ValueError(f"{n} nodes for a budget of {budget}")
-        if n and not bool(np.all((par >= -1) & (par < np.arange(n)))):
+        bad = valid_tree(par, conf)
+        if bad == 1:
             raise ValueError("a node's parent is not an earlier node or -1")
-        if n and not bool(np.all((conf >= 0.0) & (conf <= 1.0))):
+        if bad == 2:
             raise ValueError("a confidence outside [0, 1]")
-        return SourceTree(np.asarray(self.tokens, np.int64), par, conf)
+        return SourceTree(np.ascontiguousarray(self.tokens, np.int64), par, conf)
+
+
+@cached_njit
+def valid_tree(parents, confidence):
+    """0 when every parent is an earlier node or -1 and every confidence is
+    in [0, 1]; 1 for a bad parent, 2 for a bad confidence."""
+    for i in range(len(parents)):
+        if parents[i] < -1 or parents[i] >= i:
+            return 1
+        if not (confidence[i] >= 0.0 and confidence[i] <= 1.0):
+            return 2
+    return 0
 
 
 class DraftSource:

@@ -23,6 +23,7 @@ class SourceCalibrator:
 
     def __init__(self, num_sources: int, depth: int = 32, bins: int = 10):
         self.depth, self.bins = depth, bins
+        self.strength = self._STRENGTH
         self.decay = 0.5 ** (1.0 / self._HALF_LIFE)
         self.s = np.zeros((num_sources, bins))
         self.n = np.zeros((num_sources, bins))
@@ -36,7 +37,8 @@ class SourceCalibrator:
         return d, b, c
 
     def calibrate(self, source: int, depth: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """Calibrated estimates of one source's nodes (depth: root child 1)."""
+        """Calibrated estimates of one source's nodes (depth: root child 1).
+        The merge computes the same inside its loop (``merge.calibrated``)."""
         d, b, c = self._index(depth, c)
         k = self._STRENGTH
         g = (self.s[source, b] + k * c) / (self.n[source, b] + k)

@@ -31,6 +31,7 @@ class MergeBuffers:
     def __init__(self, nodes: int, sources: int):
         self.nodes, self.sources = nodes, sources
         self.map = np.zeros(nodes, np.int64)
+        self.local_depth = np.zeros(nodes, np.int64)
         self.tok = np.zeros(nodes, np.int64)
         self.par = np.zeros(nodes, np.int64)
         self.cond = np.zeros(nodes, np.float64)
@@ -54,14 +55,30 @@ class MergeBuffers:
 
 
 @cached_njit
-def _merge(tok, par, seg_start, src, raw, cal, budget, m_map, m_tok, m_par, m_cond,
-           m_mask, m_depth, m_q, first_child, next_sibling, m_raw, new_index,
-           out_tok, out_par, out_cond, out_mask, out_depth, out_q, out_raw):
+def calibrated(source, depth, c, cal_s, cal_n, cal_sd, cal_nd, strength):
+    """``SourceCalibrator.calibrate`` of one estimate (see calibrate.py)."""
+    bins = cal_s.shape[1]
+    if not c >= 0.0:       # NaN too
+        c = 0.0
+    elif c > 1.0:
+        c = 1.0
+    b = min(int(c * bins), bins - 1)
+    d = min(max(depth - 1, 0), cal_sd.shape[1] - 1)
+    g = (cal_s[source, b] + strength * c) / (cal_n[source, b] + strength)
+    return (cal_sd[source, d, b] + strength * g) / (cal_nd[source, d, b] + strength)
+
+
+@cached_njit
+def _merge(tok, par, seg_start, src, raw, budget, cal_s, cal_n, cal_sd, cal_nd, strength,
+           local_depth, m_map, m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child,
+           next_sibling, m_raw, new_index, out_tok, out_par, out_cond, out_mask,
+           out_depth, out_q, out_raw):
     """Merge ``len(tok)`` candidates (each source's nodes contiguous, its
     parents local to its segment starting at ``seg_start[i]``) into a trie;
     write the ``budget`` nodes of highest q, re-laid, to ``out_*``. Returns
     the number written. ``raw``: each candidate's confidence as its source
-    gave it; ``cal``: as calibrated (what the merge compares)."""
+    gave it, calibrated here per source and depth in its own tree (what the
+    merge compares)."""
     n_in = len(tok)
     n_src = m_raw.shape[1]
     first_child[0] = -1
@@ -69,8 +86,12 @@ def _merge(tok, par, seg_start, src, raw, cal, budget, m_map, m_tok, m_par, m_co
     for i in range(n_in):
         if par[i] < 0:
             mp = -1
+            local_depth[i] = 1
         else:
             mp = m_map[seg_start[i] + par[i]]
+            local_depth[i] = local_depth[seg_start[i] + par[i]] + 1
+        cal_i = calibrated(src[i], local_depth[i], raw[i], cal_s, cal_n, cal_sd, cal_nd,
+                           strength)
         c = first_child[mp + 1]
         found = -1
         while c >= 0:
@@ -83,7 +104,7 @@ def _merge(tok, par, seg_start, src, raw, cal, budget, m_map, m_tok, m_par, m_co
             n += 1
             m_tok[found] = tok[i]
             m_par[found] = mp
-            m_cond[found] = cal[i]
+            m_cond[found] = cal_i
             m_mask[found] = 0
             m_depth[found] = 1 if mp < 0 else m_depth[mp] + 1
             for s in range(n_src):
@@ -91,8 +112,8 @@ def _merge(tok, par, seg_start, src, raw, cal, budget, m_map, m_tok, m_par, m_co
             first_child[found + 1] = -1
             next_sibling[found] = first_child[mp + 1]
             first_child[mp + 1] = found
-        elif cal[i] > m_cond[found]:
-            m_cond[found] = cal[i]
+        elif cal_i > m_cond[found]:
+            m_cond[found] = cal_i
         m_mask[found] |= np.int64(1) << src[i]
         s = src[i]
         if np.isnan(m_raw[found, s]) or raw[i] > m_raw[found, s]:
@@ -147,6 +168,36 @@ def best_chain(parents, q, out):
     return m
 
 
+@cached_njit
+def outcomes(tokens, parents, depth, emitted, observed, accepted, path):
+    """Read a drafted trie against the tokens the target emitted after it
+    (the accepted path's tokens plus one). ``path`` <- the accepted nodes
+    (the trie holds each path once); ``observed``: nodes whose parent is
+    the root or on that path; ``accepted``: those whose token is the one
+    the target emitted there. Returns the path's length."""
+    n = len(tokens)
+    on = np.zeros(n, np.bool_)
+    m = 0
+    node = -1
+    for d in range(len(emitted) - 1):
+        nxt = -1
+        for v in range(n):
+            if parents[v] == node and tokens[v] == emitted[d]:
+                nxt = v
+                break
+        if nxt < 0:
+            break
+        path[m] = nxt
+        m += 1
+        on[nxt] = True
+        node = nxt
+    for v in range(n):
+        p = parents[v]
+        observed[v] = p < 0 or on[p]
+        accepted[v] = observed[v] and tokens[v] == emitted[depth[v] - 1]
+    return m
+
+
 class Merger:
     """Merges one request's source trees; holds the buffers."""
 
@@ -157,10 +208,11 @@ class Merger:
         self._buf: MergeBuffers | None = None
         self._chain = np.zeros(0, np.int64)
 
-    def merge(self, trees, calibrated, budget: int):
-        """``trees``: (source index, SourceTree) pairs; ``calibrated``: each
-        tree's calibrated confidences. Returns (tokens, parents, cond,
-        mask, depth, q, raw), the budget's best nodes, copies."""
+    def merge(self, trees, calibrator, budget: int):
+        """``trees``: (source index, SourceTree) pairs; ``calibrator``: the
+        ``SourceCalibrator`` whose tables map each source's estimates.
+        Returns (tokens, parents, cond, mask, depth, q, raw), the budget's
+        best nodes, copies."""
         sizes = [len(t.tokens) for _, t in trees]
         total = sum(sizes)
         buf = self._buf
@@ -171,18 +223,24 @@ class Merger:
             z = np.zeros(0, np.int64)
             return z, z.copy(), np.zeros(0), z.copy(), z.copy(), np.zeros(0), \
                 np.zeros((0, self.num_sources))
-        tok = np.concatenate([t.tokens for _, t in trees])
-        par = np.concatenate([t.parents for _, t in trees])
-        raw = np.concatenate([t.confidence for _, t in trees])
-        cal = np.concatenate(calibrated).astype(np.float64)
-        starts = np.cumsum([0] + sizes[:-1])
-        seg = np.repeat(np.asarray(starts, np.int64), sizes)
-        src = np.repeat(np.asarray([s for s, _ in trees], np.int64), sizes)
-        b = buf
-        k = _merge(tok, par, seg, src, raw, cal, int(budget), b.map, b.tok, b.par, b.cond,
-                   b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw,
-                   b.new_index, b.out_tok, b.out_par, b.out_cond, b.out_mask,
-                   b.out_depth, b.out_q, b.out_raw)
+        if len(trees) == 1:
+            (k, t), = trees
+            tok, par, raw = t.tokens, t.parents, t.confidence
+            seg = np.zeros(total, np.int64)
+            src = np.full(total, k, np.int64)
+        else:
+            tok = np.concatenate([t.tokens for _, t in trees])
+            par = np.concatenate([t.parents for _, t in trees])
+            raw = np.concatenate([t.confidence for _, t in trees])
+            starts = np.cumsum([0] + sizes[:-1])
+            seg = np.repeat(np.asarray(starts, np.int64), sizes)
+            src = np.repeat(np.asarray([s for s, _ in trees], np.int64), sizes)
+        b, c = buf, calibrator
+        k = _merge(tok, par, seg, src, raw, int(budget), c.s, c.n, c.sd, c.nd,
+                   c.strength, b.local_depth, b.map, b.tok, b.par, b.cond, b.mask,
+                   b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index,
+                   b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth, b.out_q,
+                   b.out_raw)
         return (b.out_tok[:k].copy(), b.out_par[:k].copy(), b.out_cond[:k].copy(),
                 b.out_mask[:k].copy(), b.out_depth[:k].copy(), b.out_q[:k].copy(),
                 b.out_raw[:k].copy())
@@ -197,9 +255,13 @@ class Merger:
 
 def warm_up() -> None:
     """Compile (or load) the merge now, not in an engine step."""
-    from vllm_plugins.proposers.sources.base import SourceTree
+    from vllm_plugins.proposers.sources.base import SourceTree, valid_tree
+    from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 
     m = Merger(2)
     a = SourceTree.chain([1, 2], [0.5, 0.5])
-    t, p, *_ , q, _ = m.merge([(0, a), (1, a)], [a.confidence, a.confidence], 2)
+    valid_tree(a.parents, a.confidence)
+    t, p, *_, q, _ = m.merge([(0, a), (1, a)], SourceCalibrator(2, 4), 2)
     m.chain(p, q)
+    z = np.zeros(len(t), np.bool_)
+    outcomes(t, p, np.ones(len(t), np.int64), t[:1], z, z.copy(), np.zeros(len(t), np.int64))
