@@ -2,7 +2,7 @@
 
 The bridge extracts the top-k of every verified row each awake step for the
 proposers that learn from the target (Token Recycling, STAND). Both halves
-of that work grow with the vocabulary, and on CPU both were most of the
+of that work grow with the vocabulary, and on CPU they are most of the
 bridge's own work on an awake step:
 
 - The ids. ``torch.topk`` over the whole row is slow on CPU. Here the
@@ -13,26 +13,32 @@ bridge's own work on an awake step:
   their ``k * BLOCK`` logits.
 - The log-probabilities need each row's normaliser, a pass of ``exp`` over
   the whole row that nothing avoids. A ``log_softmax`` of all rows at once
-  wrote a fresh [rows, vocab] float32 tensor only to read k values of each
+  writes a fresh [rows, vocab] float32 tensor only to read k values of each
   row: at a 262k vocabulary and 112 verified rows, 112 MiB allocated and
-  faulted in, which cost as much as the arithmetic. ``log_softmax`` (one
-  fused kernel) goes instead a chunk of rows at a time into one buffer of
+  faulted in every step, which costs as much as the arithmetic. So
+  ``log_softmax`` (one fused kernel) goes a chunk of rows at a time, block
+  maxima first, into one buffer of
   ``CHUNK_BYTES``, at least a row per thread so that a multi-threaded engine
   still spreads the rows over its cores. Smaller chunks gain little on an
   idle core and lose much on a busy host, where every chunk's parallel
-  region waits for its slowest thread.
+  region waits for its slowest thread. The buffer is kept for the next
+  call, one per calling thread (at most ``CHUNK_BYTES`` or a row per
+  thread): a fresh one is faulted in again every step.
 
-Logits in bfloat16 or float16 are read as they are (their float32 values
-are the same, in the same order) and never copied whole to float32.
+Logits in bfloat16 or float16 are converted to float32 a chunk at a time
+in the same buffer, never whole.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
 BLOCK = 64
 # log_softmax output per chunk of rows (at least one row per thread).
 CHUNK_BYTES = 8 << 20
+_kept = threading.local()  # .buffer: the calling thread's float32 log_softmax chunk
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,8 +53,22 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
         vals, ids = torch.topk(x, k, dim=-1)
         return vals - torch.logsumexp(x, dim=-1, keepdim=True), ids
     logits = logits.contiguous()
-    ids = topk_ids(logits, k)
-    return logprobs_at(logits, ids), ids
+    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
+    buf = chunk_buffer(min(per, rows), vocab)
+    ids = torch.empty(rows, k, dtype=torch.int64)
+    lps = torch.empty(rows, k, dtype=torch.float32)
+    for start in range(0, rows, per):
+        stop = min(start + per, rows)
+        chunk, x = buf[:stop - start], logits[start:stop]
+        if x.dtype != torch.float32:
+            # The same values in float32, converted into the buffer, where
+            # log_softmax then runs in place (CPU's kernel reads each row
+            # whole before writing it).
+            x = chunk.copy_(x)
+        ids[start:stop] = topk_ids(x, k)
+        torch.log_softmax(x, -1, out=chunk)
+        torch.gather(chunk, 1, ids[start:stop], out=lps[start:stop])
+    return lps, ids
 
 
 def topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -74,16 +94,10 @@ def topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     return cand_ids.gather(1, torch.topk(cand, k, dim=-1).indices)
 
 
-def logprobs_at(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits.float())`` at ``ids`` (rows x n), in float32,
-    a chunk of rows at a time through one reused buffer."""
-    rows, vocab = logits.shape
-    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
-    out = torch.empty(ids.shape, dtype=torch.float32)
-    buf = torch.empty(min(per, rows), vocab, dtype=torch.float32)
-    for start in range(0, rows, per):
-        stop = min(start + per, rows)
-        chunk = buf[:stop - start]
-        torch.log_softmax(logits[start:stop], -1, dtype=torch.float32, out=chunk)
-        torch.gather(chunk, 1, ids[start:stop], out=out[start:stop])
-    return out
+def chunk_buffer(rows: int, vocab: int) -> torch.Tensor:
+    """A [rows, vocab] float32 view of this thread's kept buffer, grown
+    when a call needs more."""
+    kept = getattr(_kept, "buffer", None)
+    if kept is None or kept.numel() < rows * vocab:
+        kept = _kept.buffer = torch.empty(rows * vocab, dtype=torch.float32)
+    return kept[:rows * vocab].view(rows, vocab)
