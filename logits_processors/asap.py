@@ -170,7 +170,7 @@ class AsapCursor:
     """
 
     __slots__ = ("trie", "path", "terminal", "temperature", "max_len", "_seen", "_since",
-                 "done", "finished")
+                 "done", "finished", "cut")
 
     def __init__(self, trie: AsapTrie, terminal: Iterable[int], temperature: float,
                  max_len: int | None = None) -> None:
@@ -193,6 +193,12 @@ class AsapCursor:
         # seen, memory cap): later rows are not reweighted.
         self.done = False
         self.finished = False
+        # Under speculation, for the step being verified: the number of
+        # drafts before the first row that arrives fully masked (plain
+        # decoding leaves the trie there: the rows after it get no weights).
+        # Rows are not observed in position order (vLLM samples the bonus
+        # row first), so the caller says it up front; None: no such row.
+        self.cut: int | None = None
         trie.active += 1
 
     def advance(self, tokens: Iterable[int]) -> None:
@@ -241,6 +247,8 @@ class AsapCursor:
             self._seen = {}
             self._since = []
         draft = tuple(draft)
+        if self.cut is not None and len(draft) > self.cut:
+            return None  # after a fully masked row: plain decoding has left the trie
         node: AsapNode | None = self.path[-1]
         for tok in draft:
             if tok in self.terminal:

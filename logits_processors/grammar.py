@@ -263,7 +263,13 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
                         params.bad_words))
         key = AsapStore.key(compiled.grammar, prompt, setting)
         terminal = {eos, ll_eos, *(params.stop_token_ids or ())}
-        return self._asap.cursor(key, terminal, params.temperature, params.max_tokens)
+        # A sample ends at max_tokens or where the context is full
+        # (max_model_len), whichever comes first.
+        max_len = params.max_tokens
+        if prompt is not None:
+            room = max(self._model_config.max_model_len - len(prompt), 0)
+            max_len = room if max_len is None else min(max_len, room)
+        return self._asap.cursor(key, terminal, params.temperature, max_len)
 
     def _align(self, logits: torch.Tensor, aligned: list[tuple[int, GrammarRequest]],
                raw: list[torch.Tensor]) -> None:

@@ -24,14 +24,24 @@ class DraftedRows:
 
     _verifying: list[list[int]] | None = None
 
-    def begin_verification(self, drafts: list[list[int]]) -> None:
-        """This step's drafts, by batch index, until ``end_verification``."""
+    def begin_verification(self, drafts: list[list[int]],
+                           cuts: list[int | None] | None = None) -> None:
+        """This step's drafts, by batch index, until ``end_verification``.
+        ``cuts[i]``: the number of drafts before request i's first target
+        row that reaches this processor fully masked (None: none), which
+        aligned requests stop reweighting at, as plain decoding does."""
         self._verifying = drafts
         MASKED_TOPK.bonus_rows(drafts)
+        for index, req in self._reqs.items():
+            if req.asap is not None:
+                req.asap.cut = cuts[index] if cuts and index < len(cuts) else None
 
     def end_verification(self) -> None:
         self._verifying = None
         MASKED_TOPK.plain_rows()
+        for req in self._reqs.values():
+            if req.asap is not None:
+                req.asap.cut = None
 
     def _apply_bonus(self, logits: torch.Tensor) -> torch.Tensor:
         drafts = self._verifying

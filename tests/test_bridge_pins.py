@@ -535,6 +535,20 @@ def test_rejection_sampler_samples_bonus_rows_then_target_rows():
     # vLLM runs only min_tokens there, and none of ours.
     assert "MinTokensLogitsProcessor" in mine and "processor.apply(" not in mine
 
+    # verify_processors.vllm_masks: the plain sampler masks allowed tokens and
+    # bad words before the processors; on target rows vLLM masks them (and
+    # min_tokens) after the penalties, with these helpers.
+    assert (plain.index("allowed_token_ids_mask") < plain.index("apply_bad_words(")
+            < plain.index("non_argmax_invariant"))
+    assert (mine.index("self.apply_penalties(") < mine.index("allowed_token_ids_mask[")
+            < mine.index("apply_bad_words_with_drafts(")
+            < mine.index("processor.apply_with_spec_decode("))
+    from vllm.v1.sample.ops.bad_words import apply_bad_words_with_drafts
+
+    assert params(apply_bad_words_with_drafts) == [
+        "logits", "bad_words_token_ids", "past_tokens_ids", "num_draft_tokens"]
+    assert params(RejectionSampler._combine_outputs_with_spec_tokens) == [
+        "output_token_ids", "spec_token_ids"]
 
 def test_min_tokens_masks_bonus_rows_by_committed_output():
     """The plain Sampler calls MinTokensLogitsProcessor.apply on the bonus

@@ -139,10 +139,13 @@ def test_grammar_requests_admitted_only_with_our_proposer(spec_config, vllm_conf
 
 
 # ------------------------------------------------------------ each verified row
-def spec_step(procs, layout, logits, temperature=None, top_k=None):
+def spec_step(procs, layout, logits, temperature=None, top_k=None, bonus_rows=None,
+              **fields):
     """vLLM's rejection sampler on one step: ``layout`` is each request's
     drafts; ``logits`` has len(drafts) + 1 rows per request (targets, then
-    the bonus row). Returns the sampler's output token rows."""
+    the bonus row); ``fields`` set more of the SamplingMetadata (allowed
+    tokens, bad words). Returns the processed target rows and the bonus
+    tokens; the processed bonus rows are appended to ``bonus_rows``."""
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
@@ -168,7 +171,9 @@ def spec_step(procs, layout, logits, temperature=None, top_k=None):
         prompt_token_ids=None, frequency_penalties=torch.zeros(n),
         presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
         output_token_ids=[[] for _ in layout], allowed_token_ids_mask=None,
-        bad_words_token_ids={}, logitsprocs=procs)
+        bad_words_token_ids={}, logitsprocs=procs, spec_token_ids=list(layout))
+    for name, value in fields.items():
+        setattr(sm, name, value)
     # The rejection kernels themselves are vLLM's and need Triton: capture
     # what reaches them, the processed target rows and the bonus tokens.
     from vllm.v1.sample import rejection_sampler as rs
@@ -186,7 +191,16 @@ def spec_step(procs, layout, logits, temperature=None, top_k=None):
 
     rs.apply_sampling_constraints, rs.rejection_sample = capture_rows, capture_bonus
     try:
-        RejectionSampler(Sampler())(meta, None, logits.clone(), sm)
+        sampler = Sampler()
+        if bonus_rows is not None:
+            plain_sample = sampler.sample
+
+            def capture_bonus_rows(rows, *args, **kwargs):
+                bonus_rows.append(rows.clone())
+                return plain_sample(rows, *args, **kwargs)
+
+            sampler.sample = capture_bonus_rows
+        RejectionSampler(sampler)(meta, None, logits.clone(), sm)
     finally:
         rs.apply_sampling_constraints, rs.rejection_sample = constraints, sample
     return seen["rows"], seen["bonus"]

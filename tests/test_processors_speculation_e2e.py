@@ -186,6 +186,54 @@ def test_min_tokens_on_short_answers_greedy_identical(plain, model_path, tok):
     assert not differ, differ
 
 
+def aligned_tries(llm):
+    """Every ASAp trie of the engine's grammar processor, node by node."""
+    from tests.test_asap import trie_state
+
+    def read(worker):
+        out = {}
+        for lp in worker.model_runner.input_batch.logitsprocs.all:
+            if type(lp).__name__ == "GrammarLogitsProcessor" and lp._asap is not None:
+                out.update({k.hex(): trie_state(t) for k, t in lp._asap._tries.items()})
+        return out
+
+    (tries,) = llm.collective_rpc(read)
+    return tries
+
+
+def test_aligned_request_with_vllm_masks_learns_as_without_speculation(plain, spec, tok):
+    """An aligned request whose grammar forces its text (so its tokens are
+    the same under any sampling), with allowed_token_ids, a bad word and
+    min_tokens: grammar_forced drafts the text, and the trie it leaves (each
+    token's probability under the row the processor saw, the grammar's mass
+    there) is the trie plain decoding leaves."""
+    from vllm import SamplingParams
+
+    digits = [tok.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    params = SamplingParams(
+        temperature=1.0, max_tokens=12, min_tokens=3, bad_words=["7"],
+        allowed_token_ids=digits + [tok.eos_token_id],
+        extra_args={"grammar": {"regex": "1234568", "aligned": True}})
+    flush = SamplingParams(temperature=0.0, max_tokens=1)
+    got = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        before = set(aligned_tries(llm))
+        before_stats = stats(llm)
+        (out,) = llm.generate(["Digits:"], params, use_tqdm=False)
+        assert out.outputs[0].text == "1234568", out.outputs[0].text
+        llm.generate(["x"], flush, use_tqdm=False)  # a step ends the sample in the trie
+        accepted = stats(llm).get("accepted", 0) - before_stats.get("accepted", 0)
+        (key,) = set(aligned_tries(llm)) - before
+        got[name] = (aligned_tries(llm)[key], accepted)
+    assert got["spec"][1] >= 4, got  # the forced text was drafted and accepted
+    want, have = got["plain"][0], got["spec"][0]
+    assert set(have) == set(want) and len(want) >= 7, (have, want)
+    for prefix, values in want.items():  # logits differ by batch shape: 1e-4
+        for a, b in zip(have[prefix], values):
+            assert (a is None) == (b is None), (prefix, have[prefix], values)
+            assert a is None or abs(a - b) < 1e-4, (prefix, have[prefix], values)
+
+
 def first_tokens(llm, prompt_ids, seed0, **kw):
     """First TOKENS tokens of SAMPLES seeded temperature-1 answers."""
     from vllm import SamplingParams

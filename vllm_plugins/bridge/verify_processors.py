@@ -15,17 +15,22 @@ row what plain decoding applies at that position, in plain decoding's order:
   the drafts and ``min_tokens`` counts them (vLLM's ``apply`` counts only
   the committed output, so a bonus row whose drafts reach ``min_tokens``
   would keep its stop tokens masked where plain decoding may stop);
-* the target rows (row j of a request: after its drafts[:j]) get
-  ``logit_bias`` and our grammar processor's per-position mask before vLLM's
-  penalties, bad words and ``min_tokens`` (plain order: processors, then
-  penalties; the masks commute), and ``min_p`` after them, on the rows
-  divided by the temperature exactly as the sampler divides them, so the
-  rejection sampler's temperature and top-k/top-p follow as in plain
-  decoding (``RejectionSampler.apply_logits_processors``).
+* the target rows (row j of a request: after its drafts[:j]) get, in
+  the plain sampler's order, ``allowed_token_ids``, bad words and
+  ``min_tokens`` (vLLM's per-position versions, before our grammar
+  processor, whose aligned requests normalise the row they receive), then
+  ``logit_bias`` and our grammar processor's per-position mask, then vLLM's
+  penalties (vLLM's own pass runs those masks again: they are idempotent),
+  and ``min_p`` after them, on the rows divided by the temperature exactly
+  as the sampler divides them, so the rejection sampler's temperature and
+  top-k/top-p follow as in plain decoding
+  (``RejectionSampler.apply_logits_processors``).
 
 Engines with vLLM's own drafters, or none, keep vLLM's behaviour. Our
 grammar processor's ``"aligned"`` (ASAp) requests are reweighted per
-position by the processor itself, as their masks are. Other custom logits
+position by the processor itself, as their masks are, told before the bonus
+rows are sampled where a drafted row arrives fully masked
+(``masked_row_cuts``). Other custom logits
 processors cannot be applied per position: given explicitly they are
 refused at start-up, as vLLM refuses them; loaded from an entry point they
 stay off, as in vLLM.
@@ -143,8 +148,10 @@ def wrap_rejection_forward(original):
         if not procs and not mins:
             return original(self, metadata, draft_probs, logits, sampling_metadata)
         drafts = _split_drafts(metadata) if procs else None
+        cuts = (masked_row_cuts(self, logits, sampling_metadata, metadata)
+                if any(_has_aligned(p) for p in procs) else None)
         for p in procs:
-            p.begin_verification(drafts)
+            p.begin_verification(drafts, cuts)
         for p in mins:
             setattr(p, BONUS_DRAFTS, list(metadata.num_draft_tokens))
         try:
@@ -156,6 +163,28 @@ def wrap_rejection_forward(original):
                 setattr(p, BONUS_DRAFTS, None)
 
     return forward
+
+
+def _has_aligned(processor) -> bool:
+    return any(r.asap is not None and not r.asap.done for r in processor._reqs.values())
+
+
+def masked_row_cuts(sampler, logits: torch.Tensor, sampling_metadata,
+                    metadata) -> list[int | None]:
+    """Per request, the number of drafts before its first target row that
+    vLLM's masks (``vllm_masks``) leave fully masked, or None. Aligned
+    grammar requests stop reweighting there, as plain decoding's cursor
+    leaves the trie at such a row; the bonus rows are sampled before the
+    target rows are processed, so this is worked out first, on a copy."""
+    rows = logits[metadata.target_logits_indices].to(torch.float32)
+    vllm_masks(sampler, rows, sampling_metadata, metadata)
+    dead = (~torch.isfinite(rows).any(dim=1)).tolist()
+    cuts: list[int | None] = []
+    start = 0
+    for n in metadata.num_draft_tokens:
+        cuts.append(next((j for j in range(n) if dead[start + j]), None))
+        start += n
+    return cuts
 
 
 def wrap_min_tokens_apply(original):
@@ -221,6 +250,8 @@ def wrap_apply_logits_processors(original):
         procs = sampling_metadata.logitsprocs
         num_draft = list(metadata.num_draft_tokens)
         grammar = _grammar_class()
+        if any(isinstance(p, grammar) and p._reqs for p in procs.non_argmax_invariant):
+            vllm_masks(self, logits, sampling_metadata, metadata)
         for p in procs.non_argmax_invariant:  # plain order: builtins, then ours
             if isinstance(p, LogitBiasLogitsProcessor) and p.biases:
                 apply_per_position(p, logits, num_draft)
@@ -235,6 +266,31 @@ def wrap_apply_logits_processors(original):
         return logits
 
     return apply_logits_processors
+
+
+def vllm_masks(sampler, logits: torch.Tensor, sampling_metadata, metadata) -> None:
+    """vLLM's masks of the target rows that the plain sampler applies before
+    the logits processors, in its order: ``allowed_token_ids``, bad words
+    (after the drafts before each row), ``min_tokens`` (counting them), as
+    vLLM's ``apply_logits_processors`` applies them after the penalties."""
+    from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
+    from vllm.v1.sample.ops.bad_words import apply_bad_words_with_drafts
+
+    num_draft = list(metadata.num_draft_tokens)
+    allowed = sampling_metadata.allowed_token_ids_mask
+    if allowed is not None:
+        repeat = torch.arange(len(num_draft)).repeat_interleave(
+            torch.tensor(num_draft, dtype=torch.int64)).to(allowed.device)
+        logits.masked_fill_(allowed[repeat], float("-inf"))
+    if sampling_metadata.bad_words_token_ids:
+        apply_bad_words_with_drafts(
+            logits, sampling_metadata.bad_words_token_ids,
+            sampler._combine_outputs_with_spec_tokens(sampling_metadata.output_token_ids,
+                                                      sampling_metadata.spec_token_ids),
+            num_draft)
+    for p in sampling_metadata.logitsprocs.non_argmax_invariant:
+        if isinstance(p, MinTokensLogitsProcessor):
+            p.apply_with_spec_decode(logits, num_draft)
 
 
 def apply_per_position(processor, logits: torch.Tensor, num_draft: list[int],
