@@ -42,6 +42,10 @@ SPECS = {
     # stop_below 0: a random model is rarely sure; every forward drafts.
     "swift": ("tied", {"method": "swift", "num_speculative_tokens": 3, "stop_below": 0.0}),
     "del": ("tied", {"method": "del", "num_speculative_tokens": 3, "stop_below": 0.0}),
+    # Every source's trees merged, all nodes verified (no policy to cut them).
+    "hybrid": ("untied", {"method": "hybrid", "num_speculative_tokens": 6,
+                          "draft_length": "fixed",
+                          "source_options": {"token_recycling": {"min_confidence": 0.0}}}),
 }
 MODELS = {"untied": {}, "tied": {"initializer_range": 0.05, "tie_word_embeddings": True}}
 

@@ -51,6 +51,10 @@ SPECS = {
     # the seconds its draft forwards took.
     "del": {"method": "del", "num_speculative_tokens": 3, "stop_below": 0.0,
             "min_value": 0.0, "exit_layers": [1, 2, 3]},
+    # Every source's trees merged (suffix's cache, the tables, the lookup)
+    # and calibrated from outcomes: the same on every rank.
+    "hybrid": {"method": "hybrid", "num_speculative_tokens": 6, "draft_length": "fixed",
+               "source_options": {"token_recycling": {"min_confidence": 0.0}}},
     "grammar-token_recycling": {"method": None,
                                 "inner": {"method": "token_recycling",
                                           "min_confidence": 0.0},
