@@ -288,6 +288,11 @@ def test_admission_checks_against_the_engine_configured_last():
         req.validate_speculation({"speculation": {"max_draft": 5}})
     with pytest.raises(ValueError, match=r"names \['suffix'\]"):
         req.validate_speculation({"speculation": {"sources": ["suffix"]}})
+    translate({"method": "grammar_forced", "num_speculative_tokens": 5,
+               "inner": {"method": "hybrid", "sources": ["ngram", "token_recycling"]}})
+    req.validate_speculation({"speculation": {"max_draft": 5, "sources": ["ngram"]}})
+    with pytest.raises(ValueError, match=r"names \['suffix'\]"):
+        req.validate_speculation({"speculation": {"sources": ["suffix"]}})
     translate({"method": "token_recycling", "num_speculative_tokens": 6})
     req.validate_speculation({"speculation": {"max_draft": 6}})
     with pytest.raises(ValueError, match="hybrid method only"):

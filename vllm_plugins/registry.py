@@ -144,5 +144,20 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
             f"per request), got {num!r}")
     rest["method"] = "custom_class"
     rest["model"] = method.class_path
-    note_engine(method.name, num, getattr(cls, "engine_sources", lambda o: None)(options))
+    note_engine(method.name, num, _engine_sources(cls, options))
     return rest, options
+
+
+def _engine_sources(cls, options: dict) -> tuple[str, ...] | None:
+    """The hybrid sources an engine runs (directly, or as the ``inner`` of a
+    composing method), for the admission check of per-request options;
+    None for an engine without sources."""
+    inner = options.get("inner")
+    if isinstance(inner, str):
+        inner = {"method": inner}
+    if isinstance(inner, dict) and isinstance(inner.get("method"), str) \
+            and inner["method"] in METHODS:
+        cls, options = METHODS[inner["method"]].proposer_class(), inner
+        options = {"sources": None, **options}
+    sources = getattr(cls, "engine_sources", None)
+    return None if sources is None else sources(options)
