@@ -115,6 +115,7 @@ def test_custom_class_route_and_worker_rpc():
 
     vllm_plugins.register()
     assert callable(WorkerBase.vllm_plugins_stats)
+    assert callable(WorkerBase.vllm_plugins_live_state)
 
 
 def test_ngram_lookup_function():

@@ -89,6 +89,12 @@ PATCHES: tuple[Patch, ...] = (
           "collective_rpc target: a benchmark counts vLLM's own drafters too",
           _PINS + "test_custom_class_route_and_worker_rpc",
           runner.add_count_steps, adds=True),
+    Patch("worker.live_state",
+          "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_live_state",
+          "collective_rpc target: counts of what our state holds, so a leak "
+          "of one object per request shows on an idle engine",
+          _PINS + "test_custom_class_route_and_worker_rpc",
+          runner.add_live_state, adds=True),
     Patch("worker.rank_digest",
           "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_rank_digest",
           "collective_rpc target: per-step digests of each rank's drafts, "

@@ -330,6 +330,21 @@ def add_count_steps(_missing):
     return vllm_plugins_count_steps
 
 
+def add_live_state(_missing):
+    def vllm_plugins_live_state(worker) -> dict:
+        """Counts of what our state holds now (``bridge.live_state``), for a
+        leak check on an idle engine; {} when the runner carries nothing of
+        ours."""
+        from vllm_plugins.bridge.live_state import live_counts
+
+        state = state_of(worker.model_runner)
+        if state is None:
+            return {}
+        return live_counts(state, getattr(worker.model_runner, "requests", {}) or {})
+
+    return vllm_plugins_live_state
+
+
 def add_rank_digest(_missing):
     def vllm_plugins_rank_digest(worker) -> list[str]:
         """Per-step digests of this rank's drafts, draft probabilities and
