@@ -56,13 +56,33 @@ def run(llm, prompts, extra=None):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+SCHEMA = {"type": "object", "properties": {"day": {"type": "string", "maxLength": 12},
+                                          "meal": {"type": "string", "maxLength": 12}},
+          "required": ["day", "meal"], "additionalProperties": False}
+
+
+def run_json(llm, prompts):
+    """Greedy requests under vLLM's own structured outputs (a JSON schema)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 @pytest.fixture(scope="module")
-def plain(model_path, prompts):
-    llm = engine(model_path, None)
-    try:
-        return run(llm, prompts)
-    finally:
-        shutdown(llm)
+def plain(base, prompts):
+    """Plain decoding on the session's engine without speculation
+    (tests/conftest.py): no engine start of its own."""
+    return run(base, prompts)
+
+
+@pytest.fixture(scope="module")
+def plain_json(base, prompts):
+    """The first prompts under the schema, without speculation."""
+    return run_json(base, prompts[:2])
 
 
 def summary(stats) -> str:
@@ -126,4 +146,23 @@ def test_hybrid_chains_with_a_source_from_an_entry_point_are_plain_decoding(
     assert stats.get("tree_steps", 0) == 0, stats
     print("hybrid chains (bigram, ngram):", summary(stats), proposer["sources"])
     for i, (g, w) in enumerate(zip(got, plain)):
+        assert g == w, i
+
+
+def test_grammar_forced_around_hybrid_is_structured_plain_decoding(model_path, prompts,
+                                                                   plain_json):
+    """``grammar_forced`` with ``"inner": "hybrid"``: the grammar's forced
+    text, then the hybrid's drafts the grammar allows; output as vLLM's
+    structured output without speculation."""
+    from vllm_plugins.bench.engines import engine_stats
+
+    llm = engine(model_path, {"method": "grammar_forced", "num_speculative_tokens": 8,
+                              "inner": "hybrid"})
+    try:
+        got, stats = run_json(llm, prompts[:2]), engine_stats(llm)
+    finally:
+        shutdown(llm)
+    assert stats["proposer"]["num_errors"] == 0, stats["proposer"]
+    assert stats["accepted"] > 0, stats
+    for i, (g, w) in enumerate(zip(got, plain_json)):
         assert g == w, i
