@@ -47,6 +47,11 @@ def _tree_profile():
     return tree_profile
 
 
+def _vocab_cost():
+    from vllm_plugins.bench import vocab_cost
+    return vocab_cost
+
+
 def _kernel_sizes():
     from vllm_plugins.bench import kernel_sizes
     return kernel_sizes
@@ -72,6 +77,8 @@ SUBCOMMANDS = {
                                 "against tree"),
     "tree-profile": (_tree_profile, "where a tree step's time goes, part by part, against "
                                     "a chain step of the same tokens"),
+    "vocab-cost": (_vocab_cost, "what Token Recycling adds to a step against vLLM ngram "
+                                "on a 262k vocabulary"),
     "kernel-sizes": (_kernel_sizes, "a new token count in vLLM's CPU linear layers; "
                                     "the tree attention twin's CPU time"),
     "tree-kernels-gpu": (_tree_kernels_gpu, "the tree kernels' cost on a CUDA GPU"),
