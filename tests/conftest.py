@@ -72,11 +72,6 @@ def pytest_runtest_setup(item):
     in_process_engines_side_by_side()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_teardown(item):
-    in_process_engines_side_by_side()
-
-
 @contextlib.contextmanager
 def engine_cores(cores: str):
     """Engines started inside bind to ``cores`` (vLLM's syntax, e.g. "0|1"
@@ -92,12 +87,101 @@ def engine_cores(cores: str):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = before
 
 
+# Modules that share an engine (SharedEngines) or a reference, each against
+# the first module of its group: one worker runs a group's modules one after
+# the other (pytest_xdist_make_scheduler), so what they share is built once.
+MODULE_GROUPS = {
+    # test_e2e_speculative's tests and its plain references (_BASE).
+    "tests/test_layer_skip_e2e.py": "tests/test_e2e_speculative.py",
+    # The STAND engine (test_stand_e2e.stand_engine).
+    "tests/test_structured_sampling_e2e.py": "tests/test_stand_e2e.py",
+    # The Token Recycling engine (engine(model_path, RECYCLING)).
+    "tests/test_processors_speculation_e2e.py": "tests/test_asap_e2e.py",
+}
+
+
+def module_group(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return MODULE_GROUPS.get(module, module)
+
+
+def engine_group(item) -> str:
+    return module_group(item.nodeid)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` (scripts/test.sh) with a module group as one unit.
+    (xdist's own ``loadgroup`` reads ``xdist_group`` marks through a node
+    attribute pytest 9 no longer has: each test would go out alone.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return module_group(nodeid)
+
+    return LoadFileGroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items):
-    """Modules with end-to-end tests first, each module's tests kept together:
-    scripts/test.sh hands whole modules to its workers in this order, so the
-    long ones start early and the short ones fill in at the end."""
+    """Modules with end-to-end tests first, each group's tests kept together:
+    scripts/test.sh hands whole groups (MODULE_GROUPS, else modules) to its
+    workers in this order, so the long ones start early and the short ones
+    fill in at the end."""
     end_to_end = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in end_to_end)
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(engine_group(item), (item.path not in end_to_end, i))
+    items.sort(key=lambda item: first[engine_group(item)])
+
+
+class SharedEngines:
+    """Engines by configuration, kept between the modules of one group.
+
+    A module fixture asks ``shared_engines.get(build, *args)`` where it would
+    call ``build(*args)``; a later module of the same group (MODULE_GROUPS:
+    one worker runs a whole group, one module after the other) that asks for
+    the same ``build`` and arguments gets the same engine instead of a new
+    start. After the group's last test on this worker its engines are shut
+    down (``pytest_runtest_teardown``), so a worker holds the session's
+    ``base`` engine, the engines of the group it runs and none idle beyond:
+    about three CPU engines of up to 3 GB.
+
+    An engine keeps its proposer's state (tables, stores) from one module to
+    the next, as a server keeps it from one request to the next: modules
+    share only where their checks hold whatever earlier requests taught it."""
+
+    def __init__(self):
+        self.engines: dict = {}
+
+    def get(self, build, *args):
+        key = (build.__module__, build.__qualname__, repr(args))
+        if key not in self.engines:
+            self.engines[key] = build(*args)
+        return self.engines[key]
+
+    def close(self) -> None:
+        while self.engines:
+            shutdown(self.engines.popitem()[1])
+
+
+SHARED = SharedEngines()
+
+
+@pytest.fixture(scope="session")
+def shared_engines():
+    yield SHARED
+    SHARED.close()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After a group's last test on this worker, its shared engines go."""
+    in_process_engines_side_by_side()
+    yield
+    if SHARED.engines and (nextitem is None or engine_group(nextitem) != engine_group(item)):
+        SHARED.close()
 
 
 @pytest.fixture(scope="session")
@@ -111,11 +195,13 @@ def model_path():
 def base(model_path):
     """The reference engine (no speculation), shared by the e2e modules that
     compare a speculative engine's tokens with vLLM's own: one engine start
-    for all of them. max_model_len 2048 fits
-    the grammar tests' schema prompts."""
+    for all of them. max_model_len 2048 fits the grammar tests' schema
+    prompts; max_num_seqs 64 runs their sampled references (hundreds of
+    seeded requests of a few tokens) 64 at a time, about twice as fast as 8
+    at a time, with the same tokens (each request draws from its own seed)."""
     from vllm_plugins.bench.engines import build_engine
 
-    llm = build_engine(model_path, None, max_num_seqs=8, max_model_len=2048)
+    llm = build_engine(model_path, None, max_num_seqs=64, max_model_len=2048)
     yield llm
     shutdown(llm)
 

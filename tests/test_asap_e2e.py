@@ -19,6 +19,8 @@ import gc
 import pytest
 import torch
 
+# One worker runs this module and tests/test_processors_speculation_e2e.py
+# (tests/conftest.py, MODULE_GROUPS): they share its Token Recycling engine.
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("vllm")
@@ -167,13 +169,10 @@ FIRST_BIAS_TOKEN = 1000
 
 
 @pytest.fixture(scope="module")
-def recycling(model_path):
-    from tests.conftest import shutdown
+def recycling(model_path, shared_engines):
     from tests.test_processors_speculation_e2e import RECYCLING, engine
 
-    llm = engine(model_path, RECYCLING)
-    yield llm
-    shutdown(llm)
+    return shared_engines.get(engine, model_path, RECYCLING)
 
 
 def two_samples(llm, seed0, aligned=True, counts=None):

@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import shutdown
 
+# One worker runs this module and tests/test_asap_e2e.py (tests/conftest.py,
+# MODULE_GROUPS), which drafts with the same engine(model_path, RECYCLING).
 pytestmark = pytest.mark.slow
 
 FQCN = "vllm_plugins.logits_processors.grammar:GrammarLogitsProcessor"
@@ -63,10 +65,8 @@ def spec(model_path, plain):
 
 
 @pytest.fixture(scope="module")
-def recycling(model_path, spec):
-    llm = engine(model_path, RECYCLING)
-    yield llm
-    shutdown(llm)
+def recycling(model_path, spec, shared_engines):
+    return shared_engines.get(engine, model_path, RECYCLING)
 
 
 @pytest.fixture(scope="module")

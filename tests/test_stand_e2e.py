@@ -11,8 +11,8 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from tests.conftest import shutdown
-
+# One worker runs this module and tests/test_structured_sampling_e2e.py
+# (tests/conftest.py, MODULE_GROUPS), which drafts with the same stand_engine.
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 10
@@ -133,24 +133,28 @@ def homogeneity_pvalue(a, b, min_count=10) -> float:
 @pytest.fixture(scope="module")
 def reference(base, prompts, tokenizer):
     """Everything the tests compare against, from vLLM without speculation.
-    Seeded samples do not depend on the batch they ran in, so the reference
-    engine's smaller max_num_seqs does not change them."""
+    Neither seeded samples nor greedy tokens depend on the batch they ran
+    in, so the batch-1 references run as one batch (several times faster
+    than one by one)."""
     from vllm_plugins.bench.engines import run_batch
 
     return {
-        "batch1": [run_batch(base, [p], greedy())[0][0].token_ids for p in prompts],
+        "batch1": [r.token_ids for r in run_batch(base, prompts, greedy())[0]],
         "batch8": run_batch8(base, prompts, "stand-ref"),
         "samples": sample_first_tokens(base, tokenizer(RGB)["input_ids"],
                                        CHI_SAMPLES, seed0=0),
     }
 
 
-@pytest.fixture(scope="module")
-def stand(model_path, reference):
+def stand_engine(model_path):
+    """STAND at a fixed draft length, with the dishonest-rows hook."""
     with mock.patch.dict(os.environ, DEBUG_HOOK):
-        llm = engine(model_path, SPEC)
-    yield llm
-    shutdown(llm)
+        return engine(model_path, SPEC)
+
+
+@pytest.fixture(scope="module")
+def stand(model_path, reference, shared_engines):
+    return shared_engines.get(stand_engine, model_path)
 
 
 def test_greedy_batch1_identical(reference, stand, prompts):

@@ -8,18 +8,12 @@ engine without speculation); a request marked to get dishonest rows anyway is
 the control the same test must catch.
 """
 
-import os
-from unittest import mock
-
 import pytest
 
-from tests.conftest import shutdown
-from tests.test_stand_e2e import DEBUG_HOOK, RGB, homogeneity_pvalue
+from tests.test_stand_e2e import RGB, homogeneity_pvalue, stand_engine
 
 pytestmark = pytest.mark.slow
 
-METHOD = "stand"
-SPEC = {"method": METHOD, "draft_length": "fixed"}
 # Drafts the mode, hands rows as if drawn: output leans to the mode.
 DISHONEST = {"stand_debug_probs": "argmax"}
 # The prompt's words, and one it never shows: every position is constrained,
@@ -65,13 +59,9 @@ def reference(base, prompt):
 
 
 @pytest.fixture(scope="module")
-def stand(model_path, reference):
-    from vllm_plugins.bench.engines import build_engine
-
-    with mock.patch.dict(os.environ, DEBUG_HOOK):
-        llm = build_engine(model_path, SPEC, max_num_seqs=64, max_model_len=1024)
-    yield llm
-    shutdown(llm)
+def stand(model_path, reference, shared_engines):
+    """tests/test_stand_e2e.py's engine (same group: the same worker)."""
+    return shared_engines.get(stand_engine, model_path)
 
 
 def _run(llm, prompt, seed0, extra_args=None):

@@ -334,13 +334,10 @@ def smol_run(llm):
 
 
 @pytest.fixture(scope="module")
-def smol_plain(model_path):
-    """Plain decoding of REPEATS on the default model."""
-    llm = smol_engine(model_path, None)
-    try:
-        return smol_run(llm)
-    finally:
-        shutdown(llm)
+def smol_plain(base):
+    """Plain decoding of REPEATS on the default model: the session's engine
+    without speculation (tests/conftest.py), no engine start of its own."""
+    return smol_run(base)
 
 
 def test_stand_tree_on_default_model_is_exact_and_beats_its_chain(model_path, smol_plain):
