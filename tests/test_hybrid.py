@@ -345,3 +345,23 @@ def test_the_documented_example_source_is_the_tested_one():
     block = doc.split("(`tests/hybrid_example_source.py`):\n\n```python\n", 1)[1]
     block = block.split("```", 1)[0]
     assert block == (root / "tests" / "hybrid_example_source.py").read_text()
+
+
+def test_stand_source_drafts_what_the_target_showed_for_a_prompt():
+    """STAND's store learns the target's top-k at a verified row; the next
+    request of the same prompt drafts it (the store is per prompt)."""
+    src = sources.source_class("stand")(
+        {"topk": 2, "max_order": 2, "min_path_prob": 0.05, "prompt_prob": 0.5,
+         "history": 16, "max_entries": 1024, "max_stores": 4, "share": "prompt"}, VOCAB, 4)
+    src.load()
+    # after "11 12" the target put 40 first (0.9) and emitted it
+    context = np.array([11, 12, 40], np.int64)
+    r = RequestStep("a", np.array([40]), context, 2, 0, np.array([12]),
+                    np.array([[40, 41]]), np.log(np.array([[0.9, 0.1]])), 0.0)
+    src.learn(StepContext([r], max_draft=4))
+    t = src.propose(request([11, 12], req_id="a"), 4)
+    assert t.tokens[:1].tolist() == [40] and t.confidence[0] == pytest.approx(0.9, abs=0.01)
+    src.free("a")
+    p = hybrid(sources=["stand", "ngram"])
+    d = p.step(StepContext([request([5, 6, 5, 6, 5])], max_draft=4))
+    assert d.tokens[0][:1] == [6] and p.metrics()["sources"]["stand"]["errors"] == 0

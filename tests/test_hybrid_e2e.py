@@ -1,5 +1,6 @@
 """The hybrid method inside vLLM's engine: greedy output token for token
-that of plain decoding, as trees under the goodput policy and as chains,
+that of plain decoding, as trees under the goodput policy and as chains
+(with STAND's store among the sources),
 with per-request narrowing (``extra_args["speculation"]``), and with a
 source added through the ``vllm_plugins.draft_sources`` entry-point group
 (the example of docs/hybrid.md, ``tests/hybrid_example_source.py``).
@@ -134,7 +135,8 @@ def test_hybrid_chains_with_a_source_from_an_entry_point_are_plain_decoding(
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
     llm = engine(model_path, {"method": "hybrid", "num_speculative_tokens": 8,
-                              "draft_shape": "chain", "sources": ["bigram", "ngram"]})
+                              "draft_shape": "chain",
+                              "sources": ["bigram", "ngram", "stand"]})
     try:
         got, stats = run(llm, prompts), engine_stats(llm)
     finally:
@@ -142,9 +144,11 @@ def test_hybrid_chains_with_a_source_from_an_entry_point_are_plain_decoding(
     proposer = stats["proposer"]
     assert proposer["num_errors"] == 0, proposer
     assert proposer["sources"]["bigram"]["errors"] == 0, proposer
+    assert proposer["sources"]["stand"]["errors"] == 0, proposer
+    assert proposer["sources"]["stand"]["accepted"] > 0, proposer
     assert proposer["sources"]["bigram"]["accepted"] > 0, proposer
     assert stats.get("tree_steps", 0) == 0, stats
-    print("hybrid chains (bigram, ngram):", summary(stats), proposer["sources"])
+    print("hybrid chains (bigram, ngram, stand):", summary(stats), proposer["sources"])
     for i, (g, w) in enumerate(zip(got, plain)):
         assert g == w, i
 

@@ -11,6 +11,9 @@ A source is a ``DraftSource`` subclass (``base.py``). Built in:
                      speculation, over the request's prompt and output and
                      a bounded cache of earlier outputs. Optional: present
                      only where ``arctic_inference`` is installed.
+``stand``            STAND's per-prompt store of the target's own next-token
+                     distributions, shared by the samples of a prompt; its
+                     most probable path.
 
 Another package adds a source through the entry-point group
 ``vllm_plugins.draft_sources`` (name = "module:Class"); the name is then
@@ -34,6 +37,7 @@ BUILTIN: dict[str, str] = {
     "token_recycling": "vllm_plugins.proposers.sources.recycling:RecyclingSource",
     "ngram": "vllm_plugins.proposers.sources.lookup:LookupSource",
     "suffix": "vllm_plugins.proposers.sources.suffix:SuffixSource",
+    "stand": "vllm_plugins.proposers.sources.stand:StandSource",
 }
 # What "sources" defaults to, in this order (the merge breaks ties between
 # equal estimates by the order sources are listed).
