@@ -109,6 +109,7 @@ def engine_group(item) -> str:
     return module_group(item.nodeid)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, when installed
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile`` (scripts/test.sh) with a module group as one unit.
     (xdist's own ``loadgroup`` reads ``xdist_group`` marks through a node
