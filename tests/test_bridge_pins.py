@@ -535,7 +535,6 @@ def test_rejection_sampler_samples_bonus_rows_then_target_rows():
     mine = inspect.getsource(_original(RejectionSampler.apply_logits_processors))
     # vLLM runs only min_tokens there, and none of ours.
     assert "MinTokensLogitsProcessor" in mine and "processor.apply(" not in mine
-
     # verify_processors.vllm_masks: the plain sampler masks allowed tokens and
     # bad words before the processors; on target rows vLLM masks them (and
     # min_tokens) after the penalties, with these helpers.
@@ -550,6 +549,7 @@ def test_rejection_sampler_samples_bonus_rows_then_target_rows():
         "logits", "bad_words_token_ids", "past_tokens_ids", "num_draft_tokens"]
     assert params(RejectionSampler._combine_outputs_with_spec_tokens) == [
         "output_token_ids", "spec_token_ids"]
+
 
 def test_min_tokens_masks_bonus_rows_by_committed_output():
     """The plain Sampler calls MinTokensLogitsProcessor.apply on the bonus
