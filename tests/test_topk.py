@@ -99,3 +99,18 @@ def test_no_buffer_the_size_of_the_logits(dtype):
             assert largest_allocation() < vocab * 4
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_kept_buffer_serves_calls_inside_and_outside_inference_mode():
+    """An engine step (inference mode) may grow the kept buffer first; a
+    later call outside inference mode in the same thread must still write
+    it."""
+    from vllm_plugins import topk
+
+    topk._kept.buffer = None
+    logits = torch.randn(3, 50_000, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        inside = topk.topk_logprobs(logits, 4)
+    outside = topk.topk_logprobs(logits, 4)
+    for a, b in zip(inside, outside):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))

@@ -99,5 +99,9 @@ def chunk_buffer(rows: int, vocab: int) -> torch.Tensor:
     when a call needs more."""
     kept = getattr(_kept, "buffer", None)
     if kept is None or kept.numel() < rows * vocab:
-        kept = _kept.buffer = torch.empty(rows * vocab, dtype=torch.float32)
+        # A normal tensor, even when allocated in an engine step: one made
+        # under inference mode could not be written outside it (a process
+        # that also calls this outside an engine: tests, benchmarks).
+        with torch.inference_mode(False):
+            kept = _kept.buffer = torch.empty(rows * vocab, dtype=torch.float32)
     return kept[:rows * vocab].view(rows, vocab)
