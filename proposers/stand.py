@@ -60,11 +60,12 @@ from typing import Any
 
 import numpy as np
 
-from vllm_plugins.options import Option, flag, integer, number, unit_float
+from vllm_plugins.options import Option, flag, integer, unit_float
 from vllm_plugins.proposers import stand_debug
 from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token, trim
 from vllm_plugins.proposers.stand_draws import KindCalibration, draft_distribution
-from vllm_plugins.proposers.stand_store import NgramStore, greedy_chain, warm_up
+from vllm_plugins.proposers.stand_store import (STORE_OPTIONS, NgramStore, greedy_chain,
+                                                warm_up)
 from vllm_plugins.proposers.stand_tree import dense_rows, grow_tree, observed_nodes
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.tree.draft import path_to
@@ -83,14 +84,7 @@ class StandProposer(PluginProposer):
         integer("max_order", 3, 1, 8),
         unit_float("min_path_prob", 0.1),
         flag("calibrate", True),
-        number("prompt_prob", 0.5, 0.0, 1.0, lo_open=True),
-        integer("history", 16, 1, 1 << 16),
-        # An entry at most: topk (int32, float32) pairs and a weight, twice
-        # over while its arrays double, plus its LRU index node (module doc).
-        integer("max_entries", 1 << 18, 256, 1 << 26,
-                table_bytes=lambda o: o["max_entries"] * (2 * (8 * o["topk"] + 4) + 200)),
-        integer("max_stores", 64, 1, 1 << 16),
-        Option("share", "prompt", str, choices=("prompt", "group", "request")),
+        *STORE_OPTIONS,
         integer("seed", 0, 0, None),
         # "tree": Gumbel-top-k trees (proposers/stand_tree.py) for the
         # requests a tree serves exactly: greedy ones, and sampled ones

@@ -29,7 +29,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_plugins.options import Option, integer, number
 from vllm_plugins.proposers.jit import cached_njit
+
+# The store's options, shared by the ``stand`` method and the hybrid's
+# ``stand`` source.
+STORE_OPTIONS = (
+    number("prompt_prob", 0.5, 0.0, 1.0, lo_open=True),
+    integer("history", 16, 1, 1 << 16),
+    # An entry at most: topk (int32, float32) pairs and a weight, twice
+    # over while its arrays double, plus its LRU index node (module doc).
+    integer("max_entries", 1 << 18, 256, 1 << 26,
+            table_bytes=lambda o: o["max_entries"] * (2 * (8 * o["topk"] + 4) + 200)),
+    integer("max_stores", 64, 1, 1 << 16),
+    Option("share", "prompt", str, choices=("prompt", "group", "request")),
+)
 
 _MASK = (1 << 63) - 1
 _P1 = 0x100000001B3

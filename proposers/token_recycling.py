@@ -34,10 +34,11 @@ from typing import Any
 
 import numpy as np
 
-from vllm_plugins.options import Option, choice, flag, integer, positive_int, unit_float
+from vllm_plugins.options import Option, choice, flag, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
-from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, RecyclingTables,
+from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, TABLE_OPTIONS,
+                                                           RecyclingTables,
                                                            warm_up)
 from vllm_plugins.proposers.token_recycling_tree import BUILDERS, TreeBuilder, learn_tree
 from vllm_plugins.proposers.token_recycling_tree import warm_up as warm_up_tree
@@ -60,12 +61,7 @@ def writes_shared_files() -> bool:
 class TokenRecyclingProposer(PluginProposer):
     OPTIONS = (
         *draft_length_options("goodput"),
-        positive_int("topk", 8, 64),
-        integer("context_order", 3, 1, 8),
-        # A context slot is a key, a token and a log-probability: 16 bytes.
-        integer("context_slots", 1 << 20, 1024, 1 << 30,
-                table_bytes=lambda o: 16 * o["context_slots"] if o["context_order"] >= 2
-                else 16),
+        *TABLE_OPTIONS,
         unit_float("min_confidence", 0.02),
         flag("seed_from_prompt", True),
         Option("warm_start_path", None, (str, type(None))),

@@ -20,7 +20,19 @@ import os
 
 import numpy as np
 
+from vllm_plugins.options import integer, positive_int
 from vllm_plugins.proposers.jit import cached_njit
+
+# The tables' options, shared by the ``token_recycling`` method and the
+# hybrid's ``token_recycling`` source.
+TABLE_OPTIONS = (
+    positive_int("topk", 8, 64),
+    integer("context_order", 3, 1, 8),
+    # A context slot is a key, a token and a log-probability: 16 bytes.
+    integer("context_slots", 1 << 20, 1024, 1 << 30,
+            table_bytes=lambda o: 16 * o["context_slots"] if o["context_order"] >= 2
+            else 16),
+)
 
 _MASK = (1 << 63) - 1
 _PRIME = 1000003

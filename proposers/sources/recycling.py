@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_plugins.options import choice, flag, integer, positive_int, unit_float
+from vllm_plugins.options import choice, flag, unit_float
 from vllm_plugins.proposers.sources.base import DraftSource, SourceTree
+from vllm_plugins.proposers.token_recycling_tables import TABLE_OPTIONS
 from vllm_plugins.proposers.token_recycling_tree import BUILDERS
 
 
 class RecyclingSource(DraftSource):
     name = "token_recycling"
     OPTIONS = (
-        positive_int("topk", 8, 64),
-        integer("context_order", 3, 1, 8),
-        integer("context_slots", 1 << 20, 1024, 1 << 30,
-                table_bytes=lambda o: 16 * o["context_slots"] if o["context_order"] >= 2
-                else 16),
+        *TABLE_OPTIONS,
         unit_float("min_confidence", 0.02),
         flag("seed_from_prompt", True),
         choice("tree_builder", "best_first", BUILDERS),

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_plugins.options import Option, integer, number, unit_float
+from vllm_plugins.options import integer, unit_float
 from vllm_plugins.proposers.sources.base import DraftSource, SourceTree
+from vllm_plugins.proposers.stand_store import STORE_OPTIONS
 
 
 class StandSource(DraftSource):
@@ -25,12 +26,7 @@ class StandSource(DraftSource):
         integer("topk", 8, 1, 64),
         integer("max_order", 3, 1, 8),
         unit_float("min_path_prob", 0.05),
-        number("prompt_prob", 0.5, 0.0, 1.0, lo_open=True),
-        integer("history", 16, 1, 1 << 16),
-        integer("max_entries", 1 << 18, 256, 1 << 26,
-                table_bytes=lambda o: o["max_entries"] * (2 * (8 * o["topk"] + 4) + 200)),
-        integer("max_stores", 64, 1, 1 << 16),
-        Option("share", "prompt", str, choices=("prompt", "group", "request")),
+        *STORE_OPTIONS,
     )
 
     def __init__(self, options, vocab_size, max_draft):
