@@ -18,6 +18,7 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _PINS = "tests/test_bridge_pins.py::"
 _CPU_PINS = "tests/test_bridge_pins_cpu.py::"
+_PROCESSOR_PINS = "tests/test_bridge_pins_processors.py::"
 
 PATCHES: tuple[Patch, ...] = (
     Patch("config.speculative_method",
@@ -105,62 +106,62 @@ PATCHES: tuple[Patch, ...] = (
           "vllm.v1.worker.gpu_model_runner:build_logitsprocs",
           "an engine drafting with our proposers keeps min_p, logit_bias and "
           "our grammar processor, which vLLM builds only without speculation",
-          _PINS + "test_build_logitsprocs_drops_processors_when_speculating",
+          _PROCESSOR_PINS + "test_build_logitsprocs_drops_processors_when_speculating",
           verify_processors.wrap_build_logitsprocs),
     Patch("verify.sampling_params",
           "vllm.sampling_params:SamplingParams._validate_spec_decode",
           "min_p and logit_bias requests are admitted by engines drafting "
           "with our proposers, whose verified rows get them",
-          _PINS + "test_spec_decode_refuses_min_p_and_logit_bias",
+          _PROCESSOR_PINS + "test_spec_decode_refuses_min_p_and_logit_bias",
           verify_processors.wrap_validate_spec_decode),
     Patch("verify.bonus_rows",
           "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           "our grammar processor masks each bonus row after the request's "
           "drafts while the plain sampler samples the bonus rows",
-          _PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
+          _PROCESSOR_PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
           verify_processors.wrap_rejection_forward),
     Patch("verify.target_rows",
           "vllm.v1.sample.rejection_sampler:RejectionSampler.apply_logits_processors",
           "logit_bias, our grammar processor (per draft position) and min_p "
           "on the target rows, in the plain sampler's order",
-          _PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
+          _PROCESSOR_PINS + "test_rejection_sampler_samples_bonus_rows_then_target_rows",
           verify_processors.wrap_apply_logits_processors),
     Patch("verify.bonus_min_tokens",
           "vllm.v1.sample.logits_processor.builtin:MinTokensLogitsProcessor.apply",
           "min_tokens on a bonus row counts the request's drafts before it, as "
           "on the target rows and in plain decoding at that position (vLLM "
           "counts only the committed output there)",
-          _PINS + "test_min_tokens_masks_bonus_rows_by_committed_output",
+          _PROCESSOR_PINS + "test_min_tokens_masks_bonus_rows_by_committed_output",
           verify_processors.wrap_min_tokens_apply),
     Patch("grammar.hold_new_requests", _SCHEDULER + ".add_request",
           "a request with our grammar waits (vLLM's blocked-waiting state) "
           "while its grammar compiles on a thread, not inside a step",
-          _PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
+          _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_add_request, when=grammar_hold.hold_enabled),
     Patch("grammar.release_compiled", _SCHEDULER + "._handle_blocked_waiting_request",
           "a held grammar request is scheduled once compiled, or finished "
           "with an error when its grammar does not compile",
-          _PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
+          _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_handle_blocked_waiting_request,
           when=grammar_hold.hold_enabled),
     Patch("grammar.send_held_specs", _SCHEDULER + ".schedule",
           "the step's output names the specs held in it, so that worker "
           "processes compile them while the request waits",
-          _PINS + "test_scheduler_output_reaches_every_worker_with_held_specs",
+          _PROCESSOR_PINS + "test_scheduler_output_reaches_every_worker_with_held_specs",
           grammar_hold.wrap_schedule, when=grammar_hold.hold_enabled),
     Patch("grammar.worker_compiles_held_specs",
           "vllm.v1.worker.gpu_worker:Worker.execute_model",
           "a worker process starts compiling held specs off its loop",
-          _PINS + "test_scheduler_output_reaches_every_worker_with_held_specs",
+          _PROCESSOR_PINS + "test_scheduler_output_reaches_every_worker_with_held_specs",
           grammar_hold.wrap_worker_execute_model, when=grammar_hold.hold_enabled),
     Patch("grammar.report_matcher_errors", _RUNNER + ".sample_tokens",
           "the step's output names the requests whose grammar failed in it",
-          _PINS + "test_runner_output_carries_matcher_errors",
+          _PROCESSOR_PINS + "test_runner_output_carries_matcher_errors",
           grammar_hold.wrap_sample_tokens),
     Patch("grammar.end_on_matcher_errors", _SCHEDULER + ".update_from_output",
           "a request whose grammar failed ends with finish reason error, "
           "not a silent stop",
-          _PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
+          _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_update_from_output),
     Patch("cpu.expand_batch_to_tokens",
           "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
