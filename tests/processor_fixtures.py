@@ -33,3 +33,22 @@ def processor_fixtures(model_fixture: str, max_model_len: int):
         return AutoTokenizer.from_pretrained(request.getfixturevalue(model_fixture))
 
     return vllm_config, tokenizer
+
+
+def spec_decode_metadata(layout):
+    """vLLM's SpecDecodeMetadata for requests with these drafts (one list of
+    token ids each), its logits rows laid out as the runner lays them: each
+    request's target rows, then its bonus row."""
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    meta = SpecDecodeMetadata.make_dummy(layout, torch.device("cpu"))
+    target, bonus, start = [], [], 0
+    for d in layout:
+        target.extend(range(start, start + len(d)))
+        bonus.append(start + len(d))
+        start += len(d) + 1
+    meta.target_logits_indices = torch.tensor(target, dtype=torch.int32)
+    meta.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
+    meta.logits_indices = torch.arange(start, dtype=torch.int32)
+    return meta

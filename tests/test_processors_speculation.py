@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.processor_fixtures import processor_fixtures
+from tests.processor_fixtures import processor_fixtures, spec_decode_metadata
 
 pytest.importorskip("llguidance")
 
@@ -149,18 +149,9 @@ def spec_step(procs, layout, logits, temperature=None, top_k=None, bonus_rows=No
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     vllm_plugins.register()
-    meta = SpecDecodeMetadata.make_dummy(layout, torch.device("cpu"))
-    target, bonus, start = [], [], 0
-    for d in layout:
-        target.extend(range(start, start + len(d)))
-        bonus.append(start + len(d))
-        start += len(d) + 1
-    meta.target_logits_indices = torch.tensor(target, dtype=torch.int32)
-    meta.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
-    meta.logits_indices = torch.arange(start, dtype=torch.int32)
+    meta = spec_decode_metadata(layout)
     n = len(layout)
     greedy = temperature is None
     sm = SamplingMetadata(

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.processor_fixtures import spec_decode_metadata
 from vllm_plugins.bridge import tree_step
 from vllm_plugins.kernels.cache_layout import cpu_cache_views
 from vllm_plugins.step_context import Drafts
@@ -395,7 +396,6 @@ def tree_sample_step(batch, seed, tree_rows, tree_tokens):
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_plugins.bridge import runner as bridge_runner
@@ -425,15 +425,7 @@ def tree_sample_step(batch, seed, tree_rows, tree_tokens):
     total = sum(num_sched)
     plan = tree_step.plan(trees, req_ids, np.array(num_sched), np.full(len(batch), 8),
                           drafts, np.arange(total))
-    meta = SpecDecodeMetadata.make_dummy(layout, torch.device("cpu"))
-    target, bonus, start = [], [], 0
-    for d in layout:
-        target.extend(range(start, start + len(d)))
-        bonus.append(start + len(d))
-        start += len(d) + 1
-    meta.target_logits_indices = torch.tensor(target, dtype=torch.int32)
-    meta.bonus_logits_indices = torch.tensor(bonus, dtype=torch.int32)
-    meta.logits_indices = torch.arange(start, dtype=torch.int32)
+    meta = spec_decode_metadata(layout)
     n = len(batch)
     tree_index = [k for k, _ in batch].index("tree")
     gens = {b: torch.Generator().manual_seed(seed if b == tree_index else 1000 + b)
