@@ -184,7 +184,10 @@ def test_a_failing_source_costs_only_its_own_candidates(monkeypatch, caplog):
     assert sum("broken" in r.getMessage() for r in caplog.records) == 1   # logged once
 
 
-def test_a_source_from_an_entry_point_is_usable_by_name(tmp_path, monkeypatch):
+def install_example_source(tmp_path, monkeypatch):
+    """tests/hybrid_example_source.py's BigramSource installed as another
+    package would install it: a distribution whose entry point in the
+    ``vllm_plugins.draft_sources`` group names it ``bigram``."""
     dist = tmp_path / "example_source-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: example-source\n"
@@ -194,6 +197,10 @@ def test_a_source_from_an_entry_point_is_usable_by_name(tmp_path, monkeypatch):
         bigram = tests.hybrid_example_source:BigramSource
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_source_from_an_entry_point_is_usable_by_name(tmp_path, monkeypatch):
+    install_example_source(tmp_path, monkeypatch)
     assert "bigram" in sources.available()
     _, options = translate({"method": "hybrid", "sources": ["bigram", "ngram"],
                             "source_options": {"bigram": {"min_count": 1}}})

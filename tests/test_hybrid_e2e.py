@@ -10,11 +10,10 @@ say) and Spec-Bench dev prompts of three categories, rendered with the
 default model's chat template.
 """
 
-import textwrap
-
 import pytest
 
 from tests.conftest import shutdown
+from tests.test_hybrid import install_example_source
 
 pytestmark = pytest.mark.slow
 
@@ -125,15 +124,7 @@ def test_hybrid_chains_with_a_source_from_an_entry_point_are_plain_decoding(
         model_path, prompts, plain, tmp_path, monkeypatch):
     from vllm_plugins.bench.engines import engine_stats
 
-    dist = tmp_path / "example_source-1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: example-source\n"
-                                   "Version: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
-        [vllm_plugins.draft_sources]
-        bigram = tests.hybrid_example_source:BigramSource
-        """))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_example_source(tmp_path, monkeypatch)
     llm = engine(model_path, {"method": "hybrid", "num_speculative_tokens": 8,
                               "draft_shape": "chain",
                               "sources": ["bigram", "ngram", "stand"]})
