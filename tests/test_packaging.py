@@ -11,7 +11,6 @@ there, token for token against plain decoding.
 
 from __future__ import annotations
 
-import ast
 import configparser
 import json
 import os
@@ -23,6 +22,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from tests.test_layers import imports
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "vllm_plugins"
@@ -100,26 +101,11 @@ def _imports(module: str) -> set[str]:
     source = module_source(module)
     if source is None or source.is_dir():
         return set()
-    is_pkg = source.name == "__init__.py"
     found: set[str] = set()
-    for node in ast.walk(ast.parse(source.read_text())):
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = module.split(".")
-                base = ".".join(parts[:len(parts) - node.level + is_pkg])
-                base = f"{base}.{node.module}" if node.module else base
-            else:
-                base = node.module or ""
-            # `from pkg import name`: name may be a submodule.
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-        else:
-            continue
-        for name in names:
-            parts = name.split(".")
-            for i in range(1, len(parts) + 1):  # importing a.b.c imports a and a.b
-                found.add(".".join(parts[:i]))
+    for name in imports(module, source):
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):  # importing a.b.c imports a and a.b
+            found.add(".".join(parts[:i]))
     return {m for m in found if module_source(m) is not None}
 
 
