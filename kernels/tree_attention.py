@@ -118,22 +118,29 @@ def tree_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
                            scale: float, out: torch.Tensor) -> torch.Tensor:
     """One layer of a planned step: per request, its blocks' K/V gathered
     once, then scores, bias, softmax and values as three batched matrix
-    operations over [kv_heads, group * query_len, positions] in float32."""
+    operations over [kv_heads, group * query_len, positions] in float32.
+
+    Keys are gathered as ``[kv_heads, head_size, positions]``, the order the
+    scores' product reads, from the cache permuted to ``[kv_heads,
+    head_size, blocks, block_size]``. On vLLM's CPU cache, which stores each
+    block's keys transposed, that is a copy of whole contiguous rows, where
+    gathering ``[positions, kv_heads, head_size]`` first transposes every
+    block and the product then transposes it back."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
+    keys_by_head = key_cache.permute(2, 3, 0, 1)
     for r in plan.requests:
         query_len = r.last_row - r.first_row
-        # [seq_len, kv_heads, D] -> keys^T [kv_heads, D, seq_len], values [kv_heads, seq_len, D]
-        keys = key_cache.index_select(0, r.blocks).view(-1, num_kv_heads, head_size)[:r.seq_len]
-        values = value_cache.index_select(0, r.blocks).view(-1, num_kv_heads, head_size)[:r.seq_len]
+        keys_t = keys_by_head.index_select(2, r.blocks).view(num_kv_heads, head_size, -1)
+        values = value_cache.index_select(0, r.blocks).view(-1, num_kv_heads, head_size)
         # [query_len, heads, D] -> [kv_heads, group * query_len, D]; head h = kv * group + g
         q = query[r.first_row:r.last_row].float().view(query_len, num_kv_heads, group, head_size)
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_size)
-        scores = torch.baddbmm(r.bias.unsqueeze(0), q, keys.permute(1, 2, 0).float(),
+        scores = torch.baddbmm(r.bias.unsqueeze(0), q, keys_t[:, :, :r.seq_len].float(),
                                alpha=scale)
         probs = torch.softmax(scores, dim=-1)
-        result = torch.bmm(probs, values.transpose(0, 1).float())
+        result = torch.bmm(probs, values[:r.seq_len].transpose(0, 1).float())
         out[r.first_row:r.last_row] = result.view(num_kv_heads, group, query_len, head_size) \
             .permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
     return out
