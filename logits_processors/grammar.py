@@ -64,6 +64,7 @@ from vllm.v1.worker.gpu.sample.logits_processor.interface import (
 )
 
 from .asap import AsapCursor, AsapStore, max_nodes_from_env
+from .awrs import AwrsRows, AwrsStats, validate_awrs
 from .grammar_engine import (  # noqa: F401  (the processor's public names)
     FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests)
 from .grammar_state import FAILURE_TEXT, GrammarRequest, apply_masks
@@ -90,7 +91,7 @@ logger = init_logger(__name__)
 __all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
 
 
-class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor):
+class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor):
     """Constrain a request's output to a JSON Schema, regex or Lark grammar."""
 
     # ------------------------------------------------------------------ setup
@@ -121,6 +122,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
         # read (and a bad value refused) at engine start.
         self._asap: AsapStore | None = None
         self._asap_max_nodes = max_nodes_from_env()
+        self.awrs_stats = AwrsStats()  # "sampling": "awrs" requests' counts (:mod:`.awrs`)
         # V1 under speculation: the step's drafts by batch index while vLLM's
         # rejection sampler runs (set by the bridge), else None.
         self._verifying: list[list[int]] | None = None
@@ -162,6 +164,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
             raise GrammarSpecError(
                 f'give either extra_args["{GRAMMAR_KEY}"] or structured_outputs, not both'
             )
+        validate_awrs(sampling_params, compiled)
         if compiled.aligned and is_greedy(sampling_params):
             raise GrammarSpecError(
                 f'extra_args["{GRAMMAR_KEY}"]["aligned"] needs random sampling '
@@ -243,6 +246,8 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
         req = GrammarRequest(matcher, output, eos)
         if compiled.aligned:
             req.asap = self._asap_cursor(compiled, params, prompt, eos, rt.eos_token)
+        if compiled.sampling == "awrs":
+            self._awrs_request(req, compiled, params, output)
         return req
 
     def _asap_cursor(self, compiled: CompiledGrammar, params: "SamplingParams",
@@ -309,6 +314,7 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
         reweights it after committing them (``AsapCursor`` says why that is
         exact); the cursor keeps what each row teaches until the next step
         shows which drafts were accepted."""
+        plan = self._awrs_positions(logits, plan)
         aligned = [(req, draft, rows, [None if r is None else logits[r].clone() for r in rows])
                    for req, draft, rows in plan if req.asap is not None and not req.asap.done]
         super()._mask_positions(logits, plan)
@@ -326,6 +332,8 @@ class GrammarLogitsProcessor(DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor
         ``rows[i] .. rows[i] + len(drafts[i])``: row ``rows[i] + j`` is masked
         after tentatively consuming ``drafts[i][:j]`` (rolled back afterwards).
         """
+        if not drafts:
+            rows, reqs = self._awrs_plain(logits, rows, reqs)
         rt = self._runtime
         fill_pairs: list[tuple[llguidance.LLMatcher, int]] = []
         mask_rows: list[int] = []

@@ -12,6 +12,7 @@ import torch
 from vllm_plugins.grammar.runtime import GrammarRuntime
 
 from .asap import AsapCursor
+from .awrs import AwrsRequest
 from .grammar_topk import MASKED_TOPK
 
 _PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
@@ -23,7 +24,7 @@ class GrammarRequest:
     """One request's matcher and how far it has read the request's output."""
 
     __slots__ = ("matcher", "output", "n_consumed", "eos", "failed", "asap",
-                 "after_failure", "reported")
+                 "after_failure", "reported", "awrs")
 
     def __init__(self, matcher: llguidance.LLMatcher | None, output: list[int] | None, eos: int):
         self.matcher = matcher
@@ -39,6 +40,8 @@ class GrammarRequest:
         self.reported = False  # failure handed to the scheduler (take_failures)
         # ``"aligned": true`` (V1): this request's walk down its prompt's ASAp trie.
         self.asap: AsapCursor | None = None
+        # ``"sampling": "awrs"`` (V1): its settings, generator copy and check.
+        self.awrs: AwrsRequest | None = None
 
     def consume(self, tokens: list[int]) -> None:
         if not tokens:
@@ -57,6 +60,8 @@ class GrammarRequest:
                 self.fail(m.get_error() or "token rejected by the grammar")
         if self.asap is not None and not self.failed:
             self.asap.advance(tokens)  # stops by itself at EOS
+        if self.awrs is not None and not self.failed:
+            self.awrs.advance(tokens)
 
     def advance_v1(self) -> bool:
         """Consume output tokens not yet seen; False if some are still placeholders."""

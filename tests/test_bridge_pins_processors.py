@@ -194,3 +194,33 @@ def test_scheduler_output_reaches_every_worker_with_held_specs():
     assert dataclasses.is_dataclass(SchedulerOutput)
     assert not hasattr(SchedulerOutput, "__slots__")
 
+
+
+def test_sampler_draws_as_awrs_replays_them():
+    """The AWRS sampler (logits_processors/awrs.py) replays vLLM's draw of a
+    row: greedy_sample is the argmax; the CPU sampler's seeded row is
+    fused_gumbel_argmax with one randint(2**31) drawn from the request's
+    generator; elsewhere random_sample is argmax(probs / q), q exponential
+    from the generator. Temperature divides before top-k / top-p."""
+    import torch
+    from vllm.v1.sample.ops.topk_topp_sampler import (
+        TopKTopPSampler, apply_top_k_top_p, random_sample)
+    from vllm.v1.sample.sampler import Sampler
+
+    row = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    assert int(Sampler.greedy_sample(row.clone())[0]) == int(row.argmax())
+    src = inspect.getsource(TopKTopPSampler.forward_cpu)
+    assert "torch.randint(\n                0, 2**31, (1,), generator=gen" in src
+    assert "fused_gumbel_argmax" in src
+    mine = torch.Generator().manual_seed(7)
+    seed = torch.randint(0, 2**31, (1,), generator=mine, dtype=torch.long)
+    got = TopKTopPSampler().forward_cpu(row.clone(), {0: torch.Generator().manual_seed(7)},
+                                        None, None)[0]
+    assert int(got[0]) == int(torch.ops._C.fused_gumbel_argmax(row, seed)[0])
+    q = torch.empty(64).exponential_(generator=torch.Generator().manual_seed(3))
+    probs = row.softmax(-1)
+    assert int(random_sample(probs.clone(), {0: torch.Generator().manual_seed(3)})[0]) \
+        == int(probs[0].div(q).argmax())
+    assert "apply_temperature" in inspect.getsource(Sampler.sample)
+    kept = apply_top_k_top_p(row.clone(), torch.tensor([3], dtype=torch.int32), None)
+    assert int(torch.isfinite(kept).sum()) == 3

@@ -205,6 +205,12 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.model_executor.models.llama:LlamaModel.embed_input_ids",
     "vllm.distributed.parallel_state:get_tp_group",
     "vllm.v1.sample.rejection_sampler:apply_sampling_constraints",
+    # AWRS (logits_processors/awrs.py) replays the sampler's draw
+    # (tests/test_bridge_pins_processors.py::test_sampler_draws_as_awrs_replays_them).
+    "vllm.v1.sample.sampler:Sampler.greedy_sample",
+    "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cpu",
+    "vllm.v1.sample.ops.topk_topp_sampler:random_sample",
+    "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
     "vllm.sampling_params:_SAMPLING_EPS",
     "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
     "vllm.distributed.parallel_state:GroupCoordinator.first_rank",

@@ -25,6 +25,16 @@ settings::
                                   # aligned sampling (ASAp, see
                                   # logits_processors.asap) instead of
                                   # plain masking; needs temperature > 0
+    "sampling": "mask" | "awrs"   # any kind. Default "mask": every step
+                                  # masks the whole vocabulary. "awrs":
+                                  # draw first, check the drawn token, mask
+                                  # only after refusals (logits_processors.
+                                  # awrs); the same output distribution
+    "check": "name"               # a registered token check (grammar.
+                                  # checks) applied on top of the grammar;
+                                  # needs "sampling": "awrs". With a check
+                                  # the grammar key may be left out (any
+                                  # text)
 
 This module imports neither torch nor vLLM: the frontend process runs
 :func:`validate_grammar_request` once per request (through
@@ -55,7 +65,13 @@ OPTION_KINDS = {
     "whitespace_flexible": ("json_schema", "json_object"),
     "json_schema_faithful": ("json_schema",),
     "aligned": GRAMMAR_KINDS,
+    "sampling": GRAMMAR_KINDS,
+    "check": GRAMMAR_KINDS,
 }
+#: Values of the ``"sampling"`` option.
+SAMPLING_MODES = ("mask", "awrs")
+#: The language of a request that gives a ``"check"`` and no grammar key.
+ANY_TEXT_REGEX = "(?s:.*)"
 
 _WHERE = f'extra_args["{GRAMMAR_KEY}"]'
 
@@ -78,6 +94,11 @@ class CompiledGrammar:
     #: ``"aligned": true``: sample with ASAp (``logits_processors.asap``) rather
     #: than plain masking.
     aligned: bool = False
+    #: ``"sampling"``: "mask" (the whole mask every step) or "awrs" (draw,
+    #: then check: ``logits_processors.awrs``).
+    sampling: str = "mask"
+    #: ``"check"``: the name of a registered token check (``grammar.checks``).
+    check: str | None = None
 
 
 def grammar_request(extra_args: dict[str, Any] | None) -> Any | None:
@@ -113,6 +134,36 @@ def _schema_text(value: Any, faithful: bool) -> str:
         raise GrammarSpecError(f"{where} is not JSON-serializable: {e}") from e
 
 
+def _sampling_options(raw: dict, aligned: bool) -> tuple[str, str | None]:
+    """The ``"sampling"`` and ``"check"`` options, validated: (mode, check name)."""
+    sampling = raw.get("sampling", "mask")
+    if sampling not in SAMPLING_MODES:
+        raise GrammarSpecError(
+            f'{_WHERE}["sampling"] must be one of {", ".join(map(repr, SAMPLING_MODES))}, '
+            f"got {sampling!r}")
+    if aligned and sampling == "awrs":
+        raise GrammarSpecError(
+            f'{_WHERE}["sampling"] "awrs" cannot be combined with "aligned": true '
+            f"(ASAp reweights the whole masked row)")
+    check = raw.get("check")
+    if check is None:
+        return sampling, None
+    if not isinstance(check, str) or not check:
+        raise GrammarSpecError(f'{_WHERE}["check"] must be the name of a registered '
+                               f"check, got {check!r:.80}")
+    if sampling != "awrs":
+        raise GrammarSpecError(
+            f'{_WHERE}["check"] needs "sampling": "awrs" (a check is called per '
+            f"drawn token; the mask mode cannot apply it to the whole vocabulary)")
+    from .checks import check_function
+
+    try:
+        check_function(check)
+    except ValueError as e:
+        raise GrammarSpecError(f'{_WHERE}["check"]: {e}') from e
+    return sampling, check
+
+
 def _to_llguidance(raw: Any) -> tuple[str, str, bool]:
     """Check the shape of ``extra_args["grammar"]``; return (kind, llguidance grammar, aligned)."""
     if isinstance(raw, str):
@@ -136,6 +187,9 @@ def _to_llguidance(raw: Any) -> tuple[str, str, bool]:
             f"allowed: {', '.join(GRAMMAR_KINDS + tuple(OPTION_KINDS))}"
         )
     kinds = [k for k in GRAMMAR_KINDS if k in raw]
+    if not kinds and "check" in raw:  # a check alone: any text
+        return ("regex", llguidance.LLMatcher.grammar_from_regex(ANY_TEXT_REGEX),
+                raw.get("aligned") is True)
     if len(kinds) != 1:
         got = f"{len(kinds)} ({', '.join(kinds)})" if kinds else "none"
         raise GrammarSpecError(
@@ -242,6 +296,8 @@ _COMPILED: _LRU = _LRU(512)
 def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
     try:
         kind, grammar, aligned = _to_llguidance(raw)
+        sampling, check = _sampling_options(
+            json.loads(raw) if isinstance(raw, str) else raw, aligned)
     except GrammarSpecError as e:
         return e
     except RecursionError:
@@ -258,7 +314,7 @@ def _compile_uncached(raw: Any) -> CompiledGrammar | GrammarSpecError:
             "lark": "is not a valid llguidance Lark grammar",
         }[kind]
         return GrammarSpecError(f'{_WHERE}["{kind}"] {what}: {msg}')
-    return CompiledGrammar(kind, grammar, tuple(messages), aligned)
+    return CompiledGrammar(kind, grammar, tuple(messages), aligned, sampling, check)
 
 
 def nested_too_deeply(where: str) -> str:
