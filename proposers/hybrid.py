@@ -40,9 +40,9 @@ import numpy as np
 from vllm_plugins.options import Option, choice, resolve
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
-from vllm_plugins.proposers.sources import default_sources, source_class
+from vllm_plugins.proposers.sources import SourceTree, default_sources, source_class
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
-from vllm_plugins.proposers.sources.merge import MAX_SOURCES, Merger, outcomes
+from vllm_plugins.proposers.sources.merge import MAX_SOURCES, MergedStep, Merger, StepTrees
 from vllm_plugins.proposers.sources.merge import warm_up as warm_up_merge
 from vllm_plugins.proposers.sources.request import speculation_request
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
@@ -53,13 +53,13 @@ logger = logging.getLogger("vllm_plugins")
 
 @dataclass
 class MergedTree:
-    """A request's merged tree as drafted, read against the next step."""
+    """A request's merged tree as drafted, read against the next step: nodes
+    ``start:start + n`` of its step's ``StepTrees`` (tokens, parents,
+    depth, per-node source bits, per-node and source raw estimates)."""
 
-    tokens: np.ndarray
-    parents: np.ndarray
-    depth: np.ndarray
-    mask: np.ndarray        # bit s: source s proposed the node
-    raw: np.ndarray         # [node, source] the source's own estimate (NaN: none)
+    trees: StepTrees
+    start: int
+    n: int
     context_len: int
 
 
@@ -182,6 +182,8 @@ class HybridProposer(PluginProposer):
 
     # ------------------------------------------------------------ step
     def draft(self, ctx: StepContext) -> Drafts:
+        """Learn, collect every drafting request's source trees, merge them
+        all in one call (``Merger.merge_step``), lay out the drafts."""
         self._learn_outcomes(ctx)
         for k, s in enumerate(self.sources):
             self._guard(k, "learn", s.learn, ctx)
@@ -190,77 +192,91 @@ class HybridProposer(PluginProposer):
         conf: list[np.ndarray | None] = [None] * n
         parents: list[list[int] | None] = [None] * n
         as_trees = self.options["draft_shape"] == "tree"
+        trees, rows, counts, budgets, chains = [], [], [], [], []
         for i, r, budget in self.drafting_requests(ctx):
             cap, active = self._request_options(r)
             if cap is not None:
                 budget = min(budget, cap)
-            merged = self.draft_request(r, budget, active)
-            if merged is None:
+            if budget <= 0:
                 continue
-            tok, par, cond, q = merged
-            if as_trees and tree_allowed(r.sampling_params):
-                tokens[i], parents[i] = tok.tolist(), par.tolist()
-                conf[i] = cond.astype(np.float32)
+            before = len(trees)
+            for k in active:
+                t = self._guard(k, "propose", self._propose, k, r, budget)
+                if t is not None:
+                    trees.append((k, t))
+            if len(trees) > before:
+                rows.append((i, r))
+                counts.append(len(trees) - before)
+                budgets.append(budget)
+                chains.append(not (as_trees and tree_allowed(r.sampling_params)))
+        if not rows:
+            return Drafts(tokens, None, conf, parents)
+        step = self.merger.merge_step(trees, counts, budgets, chains, self.calibrator,
+                                      self.source_nodes)
+        for g in np.flatnonzero(step.status).tolist():
+            self._source_failed(trees[g][0], MergedStep.PROBLEMS[int(step.status[g])])
+        tok, par, cond = step.tokens.tolist(), step.parents.tolist(), \
+            step.cond.astype(np.float32)
+        chain_tok, chain_cond = step.chain_tok.tolist(), step.chain_cond.astype(np.float32)
+        for (i, r), a, m, c, chain in zip(rows, step.start.tolist(), step.n.tolist(),
+                                          step.chain_n.tolist(), chains):
+            if m == 0:
+                continue
+            self._merged[r.req_id] = MergedTree(step.trees, a, m, len(r.context))
+            if chain:
+                tokens[i], conf[i] = chain_tok[a:a + c], chain_cond[a:a + c]
             else:
-                path = self.merger.chain(par, q)
-                tokens[i] = tok[path].tolist()
-                conf[i] = cond[path].astype(np.float32)
+                tokens[i], parents[i], conf[i] = tok[a:a + m], par[a:a + m], cond[a:a + m]
         return Drafts(tokens, None, conf, parents)
 
-    def draft_request(self, r: RequestStep, budget: int, active) -> tuple | None:
-        """(tokens, parents, conditional estimates, path probabilities) of
-        the merged tree for one request, or None when no source has
-        anything; the tree is kept for the next step's outcomes."""
-        if budget <= 0:
-            return None
-        trees = []
-        for k in active:
-            t = self._guard(k, "propose", self._propose, k, r, budget)
-            if t is not None and len(t):
-                trees.append((k, t))
-        if not trees:
-            return None
-        tok, par, cond, mask, depth, q, raw = self.merger.merge(trees, self.calibrator, budget)
-        self._merged[r.req_id] = MergedTree(tok, par, depth, mask, raw, len(r.context))
-        for k, _ in trees:
-            self.source_nodes[k] += int(np.count_nonzero(mask & (1 << k)))
-        return tok, par, cond, q
+    def _propose(self, k: int, r: RequestStep, budget: int) -> SourceTree | None:
+        """Source k's tree for one request, None when empty. The contract's
+        per-node rules are checked in the merge (``merge_step``'s status)."""
+        t = self.sources[k].propose(r, budget)
+        n = len(t.tokens)
+        if len(t.parents) != n or len(t.confidence) != n:
+            raise ValueError(f"tokens, parents and confidence differ in length "
+                             f"({n}, {len(t.parents)}, {len(t.confidence)})")
+        return t if n else None
 
-    def _propose(self, k: int, r: RequestStep, budget: int):
-        return self.sources[k].propose(r, budget).check(budget)
+    def _source_failed(self, k: int, problem: str) -> None:
+        """A tree the merge refused: it costs source k's candidates for that
+        request (logged once per source)."""
+        self.source_errors[k] += 1
+        if k not in self._logged_source:
+            self._logged_source.add(k)
+            logger.error("draft source %r proposed a tree that breaks the contract (%s); "
+                         "its candidates are left out (logged once, counted in "
+                         "metrics()['sources'])", self.source_names[k], problem)
 
     def _learn_outcomes(self, ctx: StepContext) -> None:
         """Every observed node of the trees drafted last step: a node whose
         parent is the root or on the accepted path (the accepted tokens
         walk the trie). Its outcome, for each source that proposed it,
         goes to the calibration; the accepted path's nodes are counted to
-        the sources that proposed them."""
-        srcs, depths, confs, outs = [], [], [], []
+        the sources that proposed them. All requests in one call
+        (``Merger.outcomes_step``)."""
+        recs, emitted = [], []
         for r in ctx.requests:
             rec = self._merged.pop(r.req_id, None)
             if rec is None or len(r.accepted) == 0 \
                     or len(r.context) - len(r.accepted) != rec.context_len:
                 continue
-            n = len(rec.tokens)
-            observed, accepted = np.zeros(n, np.bool_), np.zeros(n, np.bool_)
-            path = np.zeros(n, np.int64)
-            m = outcomes(rec.tokens, rec.parents, rec.depth,
-                         np.asarray(r.accepted, np.int64), observed, accepted, path)
-            idx = np.nonzero(observed)[0]
-            node_i, src = np.nonzero(~np.isnan(rec.raw[idx]))
-            srcs.append(src)
-            depths.append(rec.depth[idx][node_i])
-            confs.append(rec.raw[idx][node_i, src])
-            outs.append(accepted[idx][node_i].astype(np.float64))
-            for v in path[:m].tolist():
-                bits = [k for k in range(len(self.sources)) if rec.mask[v] >> k & 1]
-                for k in bits:
-                    self.source_accepted[k] += 1
-                if len(bits) == 1:
-                    self.source_alone[bits[0]] += 1
-        if srcs:
-            self.calibrator.learn(np.concatenate(srcs), np.concatenate(depths),
-                                  np.concatenate(confs), np.concatenate(outs))
+            recs.append(rec)
+            emitted.append(r.accepted)
+        if not recs:
+            return
+        trees = recs[0].trees
+        if all(rec.trees is trees for rec in recs):
+            starts = [rec.start for rec in recs]
+        else:   # a request that skipped steps: its tree is an older step's
+            trees = StepTrees.concatenate([(rec.trees, rec.start, rec.n) for rec in recs])
+            starts = np.cumsum([0] + [rec.n for rec in recs[:-1]])
+        src, depth, c, out = self.merger.outcomes_step(
+            trees, starts, [rec.n for rec in recs], emitted, self.source_accepted,
+            self.source_alone)
+        if len(src):
+            self.calibrator.learn(src, depth, c, out)
 
     def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
         for k, s in enumerate(self.sources):

@@ -16,6 +16,32 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_plugins.proposers.jit import cached_njit
+
+
+@cached_njit
+def _learn(src, depth, c, outcome, decay, s, n, sd, nd):
+    """Decay every count once, then add each entry in order (as
+    ``np.add.at`` would): one pass, no temporaries."""
+    bins, max_depth = s.shape[1], sd.shape[1]
+    s *= decay
+    n *= decay
+    sd *= decay
+    nd *= decay
+    for i in range(len(src)):
+        x = c[i]
+        if not x >= 0.0:       # NaN too (nan_to_num, then the clip)
+            x = 0.0
+        elif x > 1.0:
+            x = 1.0
+        b = min(max(int(x * bins), 0), bins - 1)
+        d = min(max(depth[i] - 1, 0), max_depth - 1)
+        k = src[i]
+        s[k, b] += outcome[i]
+        n[k, b] += 1.0
+        sd[k, d, b] += outcome[i]
+        nd[k, d, b] += 1.0
+
 
 class SourceCalibrator:
     _STRENGTH = 2.0
@@ -50,17 +76,9 @@ class SourceCalibrator:
         (node, source that proposed it) with that source's raw estimate."""
         if len(source) == 0:
             return
-        src = np.asarray(source, np.int64)
-        d, b, _ = self._index(depth, c)
-        x = np.asarray(outcome, np.float64)
-        self.s *= self.decay
-        self.n *= self.decay
-        self.sd *= self.decay
-        self.nd *= self.decay
-        np.add.at(self.s, (src, b), x)
-        np.add.at(self.n, (src, b), 1.0)
-        np.add.at(self.sd, (src, d, b), x)
-        np.add.at(self.nd, (src, d, b), 1.0)
+        _learn(np.ascontiguousarray(source, np.int64), np.ascontiguousarray(depth, np.int64),
+               np.ascontiguousarray(c, np.float64), np.ascontiguousarray(outcome, np.float64),
+               self.decay, self.s, self.n, self.sd, self.nd)
 
     def table(self, source: int) -> list[float]:
         """Per depth, the acceptance rate seen (NaN where none)."""

@@ -24,11 +24,12 @@ from vllm_plugins.proposers.sources.base import DraftSource, SourceTree
 
 
 @cached_njit
-def _lookup_tree(ctx, lo, hi, max_matches, budget, ends, out_tok, out_par, out_cnt):
+def _lookup_tree(ctx, lo, hi, max_matches, budget, ends, out_tok, out_par, out_cnt,
+                 out_conf):
     """Trie of the continuations after the latest ``max_matches``
     occurrences of the longest suffix (lo..hi tokens) seen earlier in
     ``ctx``. Returns (nodes, match length); ``out_cnt``: occurrences
-    through each node."""
+    through each node; ``out_conf``: its estimate (module doc)."""
     n = len(ctx)
     if n < lo + 1:
         return 0, 0
@@ -76,6 +77,15 @@ def _lookup_tree(ctx, lo, hi, max_matches, budget, ends, out_tok, out_par, out_c
             out_cnt[child] += 1
             parent = child
             pos += 1
+    total = 0
+    for v in range(m):
+        if out_par[v] < 0:
+            total += out_cnt[v]
+    for v in range(m):
+        if out_par[v] < 0:
+            out_conf[v] = out_cnt[v] / total * (best / (best + 1.0))
+        else:
+            out_conf[v] = out_cnt[v] / out_cnt[out_par[v]]
     return m, best
 
 
@@ -101,6 +111,7 @@ class LookupSource(DraftSource):
         self._tok = np.zeros(budget, np.int64)
         self._par = np.zeros(budget, np.int64)
         self._cnt = np.zeros(budget, np.int64)
+        self._conf = np.zeros(budget, np.float64)
 
     def load(self) -> None:
         self.propose_context(np.array([1, 2, 3, 1, 2], np.int64), 2)
@@ -115,15 +126,9 @@ class LookupSource(DraftSource):
             self._grow(budget)
         o = self.options
         ctx = np.ascontiguousarray(context, np.int64)
-        m, match = _lookup_tree(ctx, o["prompt_lookup_min"], o["prompt_lookup_max"],
-                                o["max_matches"], budget, self._ends, self._tok, self._par,
-                                self._cnt)
+        m, _ = _lookup_tree(ctx, o["prompt_lookup_min"], o["prompt_lookup_max"],
+                            o["max_matches"], budget, self._ends, self._tok, self._par,
+                            self._cnt, self._conf)
         if m == 0:
             return SourceTree.empty()
-        tok, par = self._tok[:m].copy(), self._par[:m].copy()
-        cnt = self._cnt[:m].astype(np.float64)
-        total = float(cnt[par < 0].sum())
-        above = np.where(par < 0, total, cnt[np.maximum(par, 0)])
-        conf = cnt / above
-        conf[par < 0] *= match / (match + 1.0)
-        return SourceTree(tok, par, conf)
+        return SourceTree(self._tok[:m].copy(), self._par[:m].copy(), self._conf[:m].copy())

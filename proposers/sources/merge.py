@@ -10,8 +10,14 @@ created before its children, so that order is topological and every
 prefix of it is the most probable tree of its size: cutting to the budget
 keeps a tree.
 
-One numba pass over buffers allocated once per hybrid (``MergeBuffers``,
-grown when a step brings more candidates), as the other hot loops are.
+A step's requests are merged together: one numba call (``_merge_step``)
+checks every source tree against the contract, merges each request's valid
+trees, takes the best chain where a request needs one, and counts each
+source's nodes, over buffers allocated once per hybrid (``MergeBuffers``,
+grown when a step brings more candidates), as the other hot loops are:
+the per-request work of a step costs no Python beyond collecting the
+sources' trees. The next step reads every request's tree against what the
+target emitted in one call too (``_outcomes_step``).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_plugins.proposers.jit import cached_njit
+from vllm_plugins.proposers.sources.base import valid_tree
 
 # Bits of the per-node source mask: at most this many sources in one hybrid.
 MAX_SOURCES = 63
@@ -49,6 +56,16 @@ class MergeBuffers:
         self.out_depth = np.zeros(nodes, np.int64)
         self.out_q = np.zeros(nodes, np.float64)
         self.out_raw = np.zeros((nodes, sources), np.float64)
+        # One step's candidates, each request's valid trees compacted, and
+        # the best chain of requests that need one.
+        self.c_tok = np.zeros(nodes, np.int64)
+        self.c_par = np.zeros(nodes, np.int64)
+        self.c_raw = np.zeros(nodes, np.float64)
+        self.c_src = np.zeros(nodes, np.int64)
+        self.c_seg = np.zeros(nodes, np.int64)
+        self.chain_idx = np.zeros(nodes, np.int64)
+        self.chain_tok = np.zeros(nodes, np.int64)
+        self.chain_cond = np.zeros(nodes, np.float64)
 
     def fits(self, nodes: int, sources: int) -> bool:
         return nodes <= self.nodes and sources <= self.sources
@@ -198,8 +215,147 @@ def outcomes(tokens, parents, depth, emitted, observed, accepted, path):
     return m
 
 
+@cached_njit
+def _merge_step(tok, par, raw, g_off, g_src, r_off, budget, want_chain, cal_s, cal_n,
+                cal_sd, cal_nd, strength, c_tok, c_par, c_raw, c_src, c_seg, local_depth,
+                m_map, m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child,
+                next_sibling, m_raw, new_index, out_tok, out_par, out_cond, out_mask,
+                out_depth, out_q, out_raw, chain_idx, chain_tok, chain_cond, status,
+                out_start, out_n, chain_n, node_count):
+    """A step's merge. Source tree g holds candidates ``g_off[g]:g_off[g+1]``
+    of source ``g_src[g]``; request r holds trees ``r_off[r]:r_off[r+1]``.
+    ``status[g]`` <- 0 for a tree that keeps the contract (``valid_tree``;
+    3: more nodes than the budget), and only those are merged. Request r's
+    merged nodes go to ``out_*[out_start[r]:][:out_n[r]]``; where
+    ``want_chain[r]``, its best chain's tokens and estimates to
+    ``chain_*[out_start[r]:][:chain_n[r]]``. ``node_count[s]`` += the merged
+    nodes source s proposed. Returns the number of merged nodes."""
+    n_src = m_raw.shape[1]
+    at = 0
+    for r in range(len(budget)):
+        n_c = 0
+        for g in range(r_off[r], r_off[r + 1]):
+            lo, hi = g_off[g], g_off[g + 1]
+            st = valid_tree(par[lo:hi], raw[lo:hi])
+            if st == 0 and hi - lo > budget[r]:
+                st = 3
+            status[g] = st
+            if st != 0:
+                continue
+            base = n_c
+            for i in range(lo, hi):
+                c_tok[n_c] = tok[i]
+                c_par[n_c] = par[i]
+                c_raw[n_c] = raw[i]
+                c_src[n_c] = g_src[g]
+                c_seg[n_c] = base
+                n_c += 1
+        out_start[r] = at
+        k = 0
+        if n_c > 0:
+            k = _merge(c_tok[:n_c], c_par[:n_c], c_seg[:n_c], c_src[:n_c], c_raw[:n_c],
+                       budget[r], cal_s, cal_n, cal_sd, cal_nd, strength, local_depth, m_map,
+                       m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child, next_sibling,
+                       m_raw, new_index, out_tok[at:], out_par[at:], out_cond[at:],
+                       out_mask[at:], out_depth[at:], out_q[at:], out_raw[at:])
+        out_n[r] = k
+        chain_n[r] = 0
+        if k > 0 and want_chain[r]:
+            m = best_chain(out_par[at:at + k], out_q[at:at + k], chain_idx)
+            for j in range(m):
+                chain_tok[at + j] = out_tok[at + chain_idx[j]]
+                chain_cond[at + j] = out_cond[at + chain_idx[j]]
+            chain_n[r] = m
+        for j in range(at, at + k):
+            for s in range(n_src):
+                if (out_mask[j] >> s) & 1:
+                    node_count[s] += 1
+        at += k
+    return at
+
+
+@cached_njit
+def _outcomes_step(tok, par, depth, mask, raw, start, n, emitted, e_off, observed,
+                   accepted, path, out_src, out_depth, out_conf, out_outcome,
+                   src_accepted, src_alone):
+    """``outcomes`` of each request's merged tree (nodes ``start[r]:][:n[r]]``)
+    against its emitted tokens (``emitted[e_off[r]:e_off[r+1]]``). Writes one
+    calibration entry per (observed node, source that proposed it), nodes in
+    order, then sources: the source, the node's depth, the source's own
+    estimate, 1.0 if accepted. Counts each accepted node to every source
+    that proposed it (``src_accepted``) and to the one source where only one
+    did (``src_alone``). Returns the number of entries."""
+    n_src = raw.shape[1]
+    c = 0
+    for r in range(len(start)):
+        s, k = start[r], n[r]
+        m = outcomes(tok[s:s + k], par[s:s + k], depth[s:s + k],
+                     emitted[e_off[r]:e_off[r + 1]], observed[:k], accepted[:k], path[:k])
+        for v in range(k):
+            if not observed[v]:
+                continue
+            for q in range(n_src):
+                x = raw[s + v, q]
+                if not np.isnan(x):
+                    out_src[c] = q
+                    out_depth[c] = depth[s + v]
+                    out_conf[c] = x
+                    out_outcome[c] = 1.0 if accepted[v] else 0.0
+                    c += 1
+        for j in range(m):
+            bits = mask[s + path[j]]
+            count, last = 0, -1
+            for q in range(n_src):
+                if (bits >> q) & 1:
+                    src_accepted[q] += 1
+                    count += 1
+                    last = q
+            if count == 1:
+                src_alone[last] += 1
+    return c
+
+
+class StepTrees:
+    """A step's merged trees, each request's nodes one after another: what
+    the next step reads against the tokens the target emitted (copies: the
+    buffers serve the next merge)."""
+
+    __slots__ = ("tokens", "parents", "depth", "mask", "raw")
+
+    def __init__(self, b: MergeBuffers, total: int):
+        self.tokens, self.parents = b.out_tok[:total].copy(), b.out_par[:total].copy()
+        self.depth, self.mask = b.out_depth[:total].copy(), b.out_mask[:total].copy()
+        self.raw = b.out_raw[:total].copy()
+
+    @classmethod
+    def concatenate(cls, parts) -> "StepTrees":
+        """One ``StepTrees`` of the (trees, start, n) slices, in order."""
+        out = cls.__new__(cls)
+        for name in cls.__slots__:
+            setattr(out, name, np.concatenate([getattr(t, name)[a:a + n]
+                                               for t, a, n in parts]))
+        return out
+
+
+class MergedStep:
+    """What ``Merger.merge_step`` returns: per request (``start``, ``n``,
+    ``chain_n``), per source tree (``status``), and the merged nodes of the
+    whole step (``trees``); ``tokens``, ``parents``, ``cond``, ``chain_tok``
+    and ``chain_cond`` are views of the buffers, valid until the next merge."""
+
+    PROBLEMS = {1: "a node's parent is not an earlier node or -1",
+                2: "a confidence outside [0, 1]", 3: "more nodes than the budget"}
+
+    def __init__(self, b: MergeBuffers, total, start, n, chain_n, status):
+        self.start, self.n, self.chain_n, self.status = start, n, chain_n, status
+        self.trees = StepTrees(b, total)
+        self.tokens, self.parents = self.trees.tokens, self.trees.parents
+        self.cond, self.chain_tok = b.out_cond[:total], b.chain_tok[:total]
+        self.chain_cond = b.chain_cond[:total]
+
+
 class Merger:
-    """Merges one request's source trees; holds the buffers."""
+    """Merges source trees, one request's or a whole step's; holds the buffers."""
 
     def __init__(self, num_sources: int):
         if num_sources > MAX_SOURCES:
@@ -245,6 +401,71 @@ class Merger:
                 b.out_mask[:k].copy(), b.out_depth[:k].copy(), b.out_q[:k].copy(),
                 b.out_raw[:k].copy())
 
+    def _buffers(self, total: int) -> MergeBuffers:
+        buf = self._buf
+        if buf is None or not buf.fits(max(total, 1), self.num_sources):
+            buf = self._buf = MergeBuffers(max(total, 64, 0 if buf is None else buf.nodes),
+                                           self.num_sources)
+        return buf
+
+    def merge_step(self, trees, counts, budgets, chains, calibrator,
+                   node_count: np.ndarray) -> MergedStep:
+        """Every drafting request of a step at once. ``trees``: (source
+        index, SourceTree) pairs, request after request, each tree's
+        tokens, parents and confidence of one length; ``counts[r]``: request
+        r's number of trees; ``budgets[r]``, ``chains[r]``: its node budget,
+        and whether it takes the best chain. ``node_count`` (per source)
+        counts the merged nodes each source proposed."""
+        sizes = np.fromiter((len(t.tokens) for _, t in trees), np.int64, len(trees))
+        g_off = np.zeros(len(trees) + 1, np.int64)
+        np.cumsum(sizes, out=g_off[1:])
+        total = int(g_off[-1])
+        g_src = np.fromiter((k for k, _ in trees), np.int64, len(trees))
+        if len(trees) and not 0 <= g_src.min() <= g_src.max() < self.num_sources:
+            raise ValueError(f"source index outside [0, {self.num_sources})")
+        r_off = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(np.asarray(counts, np.int64), out=r_off[1:])
+        b = self._buffers(total)
+        parts = [t for _, t in trees]
+        tok = np.concatenate([t.tokens for t in parts] or [np.zeros(0)]).astype(np.int64)
+        par = np.concatenate([t.parents for t in parts] or [np.zeros(0)]).astype(np.int64)
+        raw = np.concatenate([t.confidence for t in parts] or [np.zeros(0)]).astype(np.float64)
+        r = len(counts)
+        start, n, chain_n = (np.zeros(r, np.int64), np.zeros(r, np.int64),
+                             np.zeros(r, np.int64))
+        status = np.zeros(len(trees), np.int64)
+        c = calibrator
+        done = _merge_step(
+            tok, par, raw, g_off, g_src, r_off, np.asarray(budgets, np.int64),
+            np.asarray(chains, np.bool_), c.s, c.n, c.sd, c.nd, c.strength, b.c_tok,
+            b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map, b.tok, b.par, b.cond,
+            b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index,
+            b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth, b.out_q, b.out_raw,
+            b.chain_idx, b.chain_tok, b.chain_cond, status, start, n, chain_n, node_count)
+        return MergedStep(b, done, start, n, chain_n, status)
+
+    def outcomes_step(self, trees, starts, lengths, emitted, src_accepted: np.ndarray,
+                      src_alone: np.ndarray):
+        """Calibration entries (source, depth, raw estimate, outcome) of the
+        merged trees ``starts[r]:][:lengths[r]]`` of ``trees`` (a
+        ``StepTrees``) against each one's ``emitted[r]`` tokens, and the
+        accepted nodes counted to their sources (see ``_outcomes_step``)."""
+        start = np.asarray(starts, np.int64)
+        n = np.asarray(lengths, np.int64)
+        e_off = np.zeros(len(emitted) + 1, np.int64)
+        np.cumsum(np.fromiter((len(e) for e in emitted), np.int64, len(emitted)),
+                  out=e_off[1:])
+        flat = np.concatenate(emitted).astype(np.int64)
+        width = int(n.max()) if len(n) else 0
+        size = int(n.sum()) * trees.raw.shape[1]
+        src, depth = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        conf, out = np.zeros(size), np.zeros(size)
+        c = _outcomes_step(trees.tokens, trees.parents, trees.depth, trees.mask, trees.raw,
+                           start, n, flat, e_off, np.zeros(width, np.bool_),
+                           np.zeros(width, np.bool_), np.zeros(width, np.int64), src, depth,
+                           conf, out, src_accepted, src_alone)
+        return src[:c], depth[:c], conf[:c], out[:c]
+
     def chain(self, parents: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Node indices of the path with the most expected accepted tokens."""
         if len(self._chain) < len(parents):
@@ -265,3 +486,8 @@ def warm_up() -> None:
     m.chain(p, q)
     z = np.zeros(len(t), np.bool_)
     outcomes(t, p, np.ones(len(t), np.int64), t[:1], z, z.copy(), np.zeros(len(t), np.int64))
+    cal = SourceCalibrator(2, 4)
+    cal.learn(np.array([0]), np.array([1]), np.array([0.5]), np.array([1.0]))
+    step = m.merge_step([(0, a), (1, a)], [2], [2], [True], cal, np.zeros(2, np.int64))
+    m.outcomes_step(step.trees, [0], [2], [np.array([1, 2, 3])], np.zeros(2, np.int64),
+                    np.zeros(2, np.int64))

@@ -26,6 +26,19 @@ from vllm_plugins.options import integer, number, unit_float
 from vllm_plugins.proposers.sources.base import DraftSource, SourceTree
 
 
+def conditional(parents: list[int], probs: list[float]) -> list[float]:
+    """Each node's probability given its parent's, from the library's path
+    probabilities (each clipped to [0, 1]; 0 under a parent of 0). Plain
+    Python over the library's lists: a draft is at most a budget of
+    nodes, where numpy's per-call cost would be most of the work."""
+    q = [min(max(p, 0.0), 1.0) for p in probs]
+    out = []
+    for i, par in enumerate(parents):
+        above = 1.0 if par < 0 else q[par]
+        out.append(min(max(q[i] / above, 0.0), 1.0) if above > 0 else 0.0)
+    return out
+
+
 class SuffixSource(DraftSource):
     name = "suffix"
     # vLLM's defaults (SpeculativeConfig.suffix_decoding_*).
@@ -69,12 +82,9 @@ class SuffixSource(DraftSource):
                                      min_token_prob=o["min_token_prob"], use_tree_spec=True)
         if not draft.token_ids:
             return SourceTree.empty()
-        tok = np.asarray(draft.token_ids, np.int64)
-        par = np.asarray(draft.parents, np.int64)
-        q = np.clip(np.asarray(draft.probs, np.float64), 0.0, 1.0)
-        above = np.where(par < 0, 1.0, q[np.maximum(par, 0)])
-        conf = np.divide(q, above, out=np.zeros_like(q), where=above > 0)
-        return SourceTree(tok, par, np.clip(conf, 0.0, 1.0))
+        return SourceTree(np.array(draft.token_ids, np.int64),
+                          np.array(draft.parents, np.int64),
+                          np.array(conditional(draft.parents, draft.probs), np.float64))
 
     def free(self, req_id: str) -> None:
         if self._told.pop(req_id, None) is not None:
