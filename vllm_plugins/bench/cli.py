@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling"]
+DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling", "hybrid"]
 # The no-speculation engine run a second time on every batch: an A/A pair
 # whose "speedup" is the host's noise on that batch.
 RERUN = "none(rerun)"
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help="comma list of: none, ngram, suffix, token_recycling, "
-                        "token_recycling+goodput, ngram+goodput, ngram_adaptive")
+                        "token_recycling+goodput, hybrid, ngram+goodput, ngram_adaptive")
     p.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
                    help="add a method: a name and its speculative_config as JSON, "
                         "e.g. tr-o1='{\"method\": \"token_recycling\", "
