@@ -22,6 +22,8 @@ target emitted in one call too (``_outcomes_step``).
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from vllm_plugins.proposers.jit import cached_njit
@@ -416,28 +418,29 @@ class Merger:
         r's number of trees; ``budgets[r]``, ``chains[r]``: its node budget,
         and whether it takes the best chain. ``node_count`` (per source)
         counts the merged nodes each source proposed."""
-        sizes = np.fromiter((len(t.tokens) for _, t in trees), np.int64, len(trees))
-        g_off = np.zeros(len(trees) + 1, np.int64)
-        np.cumsum(sizes, out=g_off[1:])
-        total = int(g_off[-1])
-        g_src = np.fromiter((k for k, _ in trees), np.int64, len(trees))
-        if len(trees) and not 0 <= g_src.min() <= g_src.max() < self.num_sources:
-            raise ValueError(f"source index outside [0, {self.num_sources})")
-        r_off = np.zeros(len(counts) + 1, np.int64)
-        np.cumsum(np.asarray(counts, np.int64), out=r_off[1:])
-        b = self._buffers(total)
         parts = [t for _, t in trees]
-        tok = np.concatenate([t.tokens for t in parts] or [np.zeros(0)]).astype(np.int64)
-        par = np.concatenate([t.parents for t in parts] or [np.zeros(0)]).astype(np.int64)
-        raw = np.concatenate([t.confidence for t in parts] or [np.zeros(0)]).astype(np.float64)
-        r = len(counts)
-        start, n, chain_n = (np.zeros(r, np.int64), np.zeros(r, np.int64),
-                             np.zeros(r, np.int64))
+        srcs = [k for k, _ in trees]
+        if srcs and not 0 <= min(srcs) <= max(srcs) < self.num_sources:
+            raise ValueError(f"source index outside [0, {self.num_sources})")
+        # Offsets in Python: np.cumsum of a short list costs more than the merge.
+        g_off = np.array(list(accumulate((len(t.tokens) for t in parts), initial=0)),
+                         np.int64)
+        r_off = np.array(list(accumulate(counts, initial=0)), np.int64)
+        total = int(g_off[-1])
+        b = self._buffers(total)
+        tok = np.concatenate([t.tokens for t in parts] or [[]], dtype=np.int64,
+                             casting="unsafe")
+        par = np.concatenate([t.parents for t in parts] or [[]], dtype=np.int64,
+                             casting="unsafe")
+        raw = np.concatenate([t.confidence for t in parts] or [[]], dtype=np.float64,
+                             casting="unsafe")
+        start, n, chain_n = np.zeros((3, len(counts)), np.int64)
         status = np.zeros(len(trees), np.int64)
+        g_src = np.array(srcs, np.int64)
         c = calibrator
         done = _merge_step(
-            tok, par, raw, g_off, g_src, r_off, np.asarray(budgets, np.int64),
-            np.asarray(chains, np.bool_), c.s, c.n, c.sd, c.nd, c.strength, b.c_tok,
+            tok, par, raw, g_off, g_src, r_off, np.array(budgets, np.int64),
+            np.array(chains, np.bool_), c.s, c.n, c.sd, c.nd, c.strength, b.c_tok,
             b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map, b.tok, b.par, b.cond,
             b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index,
             b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth, b.out_q, b.out_raw,
@@ -452,9 +455,7 @@ class Merger:
         accepted nodes counted to their sources (see ``_outcomes_step``)."""
         start = np.asarray(starts, np.int64)
         n = np.asarray(lengths, np.int64)
-        e_off = np.zeros(len(emitted) + 1, np.int64)
-        np.cumsum(np.fromiter((len(e) for e in emitted), np.int64, len(emitted)),
-                  out=e_off[1:])
+        e_off = np.array(list(accumulate((len(e) for e in emitted), initial=0)), np.int64)
         flat = np.concatenate(emitted).astype(np.int64)
         width = int(n.max()) if len(n) else 0
         size = int(n.sum()) * trees.raw.shape[1]
