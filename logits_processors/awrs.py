@@ -8,7 +8,9 @@ sampler would draw, asks the grammar (and the request's check, see
 ``vllm_plugins.grammar.checks``) about that one token, and on a refusal
 removes it and draws again. Only after ``MAX_REFUSALS`` refusals is the
 whole mask computed. The row handed back to vLLM lets through only the
-chosen token, so vLLM's sampler and rejection sampler take it unchanged.
+chosen token, so vLLM's sampler and rejection sampler take it unchanged
+(a greedy row whose argmax is allowed is left as it is: its argmax is the
+chosen token already).
 
 Why it is exact: vLLM draws a token as the winner of a race, the argmax of
 the processed logits plus per-token noise that does not depend on the
@@ -179,6 +181,9 @@ class RowChoice:
         self.text = text
         self.known: dict[int, bool] = {}
         self._eos = {req.eos, rt.eos_token}
+        self.untouched = False  # the decision needs no write to the row
+        self._ff: bytes | None = None  # the bytes the grammar forces next
+        self._fft: list[int] | None = None  # their canonical tokens
 
     def allowed(self, tok: int) -> bool:
         ok = self.known.get(tok)
@@ -192,10 +197,30 @@ class RowChoice:
             # The request's EOS is allowed wherever the tokenizer's is (apply_masks).
             ok = self.req.matcher.validate_tokens(
                 [rt.eos_token if tok == self.req.eos else tok]) == 1
+            if ok and self._forced_prefix(tok):
+                ok = self._forced_tokens()[:1] == [tok]
             if ok and self.areq.check is not None and tok not in self._eos:
                 ok = self._check(tok)
         self.known[tok] = ok
         return ok
+
+    def _forced_prefix(self, tok: int) -> bool:
+        """Whether ``tok`` spells a proper prefix of the bytes the grammar
+        forces next. llguidance's mask then allows only the first token of
+        the forced bytes' canonical tokenization, while ``validate_tokens``
+        accepts any prefix (e.g. "la" of a forced property name "latitude"):
+        the mask mode's rule, kept here (pinned in tests/test_awrs.py)."""
+        if self._ff is None:
+            self._ff = self.req.matcher.compute_ff_bytes()
+        if not self._ff:
+            return False
+        piece = self.rt.ll_tokenizer.decode_bytes([tok])
+        return len(piece) < len(self._ff) and self._ff.startswith(piece)
+
+    def _forced_tokens(self) -> list[int]:
+        if self._fft is None:
+            self._fft = self.req.matcher.compute_ff_tokens()
+        return self._fft
 
     def _check(self, tok: int) -> bool:
         self.stats.check_calls += 1
@@ -229,11 +254,12 @@ class RowChoice:
         else:  # vLLM's Sampler.apply_temperature
             scaled = row / torch.tensor(areq.temperature, dtype=torch.float32,
                                         device=row.device)
+        self.untouched = False
         if not areq.truncated:
-            work = scaled.clone()
-            for _ in range(MAX_REFUSALS + 1):
+            work = scaled  # copied at the first refusal (never the caller's row)
+            for n in range(MAX_REFUSALS + 1):
                 tok = race(work, noise)
-                if not torch.isfinite(work[tok]):
+                if float(work[tok]) == _NEG_INF:
                     return None  # every token removed
                 ok = self.allowed(tok)
                 if ok and areq.top_k and not areq.greedy:
@@ -241,7 +267,12 @@ class RowChoice:
                     if ok is None:
                         break
                 if ok:
+                    # Greedy's first draw is the row's own argmax: vLLM
+                    # draws it again from the row as it is.
+                    self.untouched = areq.greedy and n == 0
                     return tok
+                if n == 0:
+                    work = scaled.clone()
                 work[tok] = _NEG_INF
         return self._masked(scaled, noise)
 
@@ -357,9 +388,9 @@ class AwrsRows:
             if tok is None:  # failed: the mask path forces its failure text
                 rest_rows.append(row)
                 rest_reqs.append(req)
-                continue
-            hot_rows.append(row)
-            hot_toks.append(tok)
+            elif not choice.untouched:
+                hot_rows.append(row)
+                hot_toks.append(tok)
         one_hot(logits, hot_rows, hot_toks)
         return rest_rows, rest_reqs
 
@@ -394,9 +425,11 @@ class AwrsRows:
                     hot_rows.append(row)
                     hot_toks.append(req.eos)
                     continue
-                tok = self._awrs_decide(RowChoice(rt, req, text, self.awrs_stats), logits[row])
-                hot_rows.append(row)
-                hot_toks.append(req.eos if tok is None else tok)
+                choice = RowChoice(rt, req, text, self.awrs_stats)
+                tok = self._awrs_decide(choice, logits[row])
+                if tok is None or not choice.untouched:
+                    hot_rows.append(row)
+                    hot_toks.append(req.eos if tok is None else tok)
             if n_ok:
                 m.rollback(n_ok)
         one_hot(logits, hot_rows, hot_toks)

@@ -256,9 +256,9 @@ def test_unseeded_draws_follow_the_masked_distribution(rt, noise):
 
 def test_verified_rows_are_the_mask_modes_at_each_position(proc, rt):
     """Under speculation (the bridge's begin_verification / apply_drafted),
-    each target row of an AWRS request lets through exactly the greedy
-    token the mask mode gives at that position; rows after a draft the
-    grammar refuses are EOS."""
+    each target row of an AWRS request has as its argmax the greedy token
+    the mask mode gives at that position; rows after a draft the grammar
+    refuses are EOS."""
     grammar = {"regex": "(ab|ba)+7?(0|12)"}
     enc = TinyTokenizer()
     draft = enc("abba") + [11, 14]  # 'ab','ba', then 'x' (refused), '0'
@@ -276,7 +276,8 @@ def test_verified_rows_are_the_mask_modes_at_each_position(proc, rt):
     for j in range(n):
         mask_tok = int(out[j].argmax())
         awrs_row = out[n + j]
-        assert torch.isfinite(awrs_row).sum() == 1
+        # One-hot, or (greedy, argmax allowed) the row as it came.
+        assert torch.isfinite(awrs_row).sum() == 1 or torch.equal(awrs_row, logits[n + j])
         if j <= 3:  # at or before the refused draft: the mask mode's token
             assert int(awrs_row.argmax()) == mask_tok, j
         else:
@@ -347,3 +348,50 @@ def test_a_check_that_raises_fails_its_request_only(proc, installed_checks, monk
     proc.apply(torch.stack([logits_of(0, []), logits_of(0, [])]))
     failures = proc.take_failures()
     assert list(failures) == [1] and "banned_words" in failures[1]
+
+
+def test_single_token_checks_agree_with_llguidance_masks(tokenizer):
+    """The pin of ``RowChoice.allowed``'s rule on the default model's
+    tokenizer: a token is in llguidance's mask exactly when
+    ``validate_tokens`` accepts it and, if it spells a proper prefix of the
+    bytes the grammar forces, it is the first forced token. Random walks
+    through dev schemas; every token at forced states, a sample elsewhere."""
+    import random
+
+    from vllm_plugins.bench.grammar_bench import load_schemas
+    from vllm_plugins.grammar.runtime import build_ll_tokenizer
+
+    rt = GrammarRuntime(build_ll_tokenizer(tokenizer))
+    width = rt.vocab_size
+    rng = random.Random(0)
+    forced = checked = prefix_refused = 0
+    for row in load_schemas(8):
+        grammar = {"json_schema": row["schema"], "sampling": "awrs"}
+        try:
+            compiled = compile_grammar_request(grammar)
+        except GrammarSpecError:
+            continue
+        from vllm_plugins.logits_processors.grammar_state import GrammarRequest
+
+        req = GrammarRequest(rt.new_matcher(compiled), [], rt.eos_token)
+        req.awrs = awrs.new_awrs(params(grammar), compiled, rt, width, [])
+        for _ in range(40):
+            m = req.matcher
+            if m.is_stopped():
+                break
+            words = rt.fill([(m, 0)], 1)[:1]
+            mask = ~rt.banned_tokens(words, width, torch.device("cpu"))[0]
+            choice = awrs.RowChoice(rt, req, b"", awrs.AwrsStats())
+            ff = m.compute_ff_bytes()
+            forced += bool(ff)
+            cand = range(width) if ff else rng.sample(range(width), 400)
+            for t in cand:
+                checked += 1
+                assert choice.allowed(t) == bool(mask[t]), (ff, t)
+                prefix_refused += bool(ff) and not mask[t] and m.validate_tokens([t]) == 1
+            allowed = mask.nonzero().flatten().tolist()
+            t = rng.choice(allowed)
+            if t == rt.eos_token:
+                break
+            m.consume_token(t)
+    assert forced and prefix_refused  # the rule was needed, and held

@@ -6,7 +6,8 @@ grammar-forced drafts, and the cost of the grammar logits processor.
     python -m vllm_plugins.bench grammar --modes all --schemas 16 --max-tokens 128
 
 ``--modes``: native structured output against our grammar processor, per
-mode (``vllm_plugins.bench.grammar_modes``).
+mode (``vllm_plugins.bench.grammar_modes``); ``--awrs``: the processor's
+``"sampling": "awrs"`` against its mask mode (``vllm_plugins.bench.grammar_awrs``).
 
 Schemas are JSONSchemaBench dev schemas (``json_schemas_dev.jsonl`` of the
 shared data, or ``--schema-file``), ``--schemas N`` of them spread evenly over
@@ -79,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--processor", action="store_true",
                    help="measure the grammar logits processor instead of "
                         "grammar-forced drafts")
+    p.add_argument("--awrs", action="store_true",
+                   help='"sampling": "awrs" against the mask mode (bench.grammar_awrs)')
     p.add_argument("--modes", default=None,
                    help="compare native structured output and our processor "
                         "per mode (comma list or 'all'; see bench.grammar_modes)")
@@ -506,6 +509,10 @@ def generate_with_processor(model: str, schemas: list, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.awrs:
+        from vllm_plugins.bench.grammar_awrs import run_awrs
+
+        return run_awrs(args)
     if args.modes:
         from vllm_plugins.bench.grammar_modes import run_modes
 

@@ -1,0 +1,189 @@
+"""AWRS against the mask mode: constraint evaluations per token and the
+grammar processor's time per step, on the dev schemas.
+
+    python -m vllm_plugins.bench grammar --awrs --schemas 16 --max-tokens 96
+
+No engine: the default model (Hugging Face ``transformers``, float32, one
+thread) gives the next-token logits, and ``GrammarLogitsProcessor`` is
+driven as vLLM's V1 runner drives it, its rows sampled by vLLM's own
+``Sampler`` (so temperature and the request's generator are vLLM's).
+
+* Decoding, per schema, batch 1, greedy and at temperature 1 (seeded), once
+  with ``"sampling": "mask"`` and once with ``"awrs"``: the outputs
+  (greedy: must be equal; seeded: equal while the prompt is prefilled in
+  one step, as here) and AWRS's counts: single-token grammar checks and
+  whole masks per output token. A mask evaluates the grammar on every
+  vocabulary entry, so the mask mode's evaluations per token are the
+  vocabulary size; AWRS's are its checks plus the vocabulary size per mask
+  it fell back to.
+* Time per step at ``--batch`` requests (default 16): the greedy mask-mode
+  outputs are replayed (their logits rows, recorded while decoding),
+  through one mask-mode and one AWRS processor in the same process, which
+  goes first alternating per step; each step then commits the recorded
+  token, so both see the same batch. Wall-clock on a shared host: the ratio
+  is the figure to read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+_MODES = ("mask", "awrs")
+
+
+def _sampling_params(schema, mode: str, temperature: float, seed, max_tokens: int, eos: int):
+    from vllm import SamplingParams
+
+    p = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                       extra_args={"grammar": {"json_schema": schema, "sampling": mode}})
+    p.update_from_generation_config({}, eos)
+    return p
+
+
+def _metadata(proc, plist, generators, vocab: int):
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    temps = [0.0 if p.temperature < 1e-5 else p.temperature for p in plist]
+    n = len(plist)
+    return SamplingMetadata(
+        temperature=torch.tensor(temps, dtype=torch.float32),
+        all_greedy=all(t == 0.0 for t in temps), all_random=all(t > 0 for t in temps),
+        top_p=None, top_k=None, generators=generators, max_num_logprobs=None,
+        no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors([proc]))
+
+
+def decode(model, proc, prompt: list[int], params, vocab: int):
+    """One request decoded through the processor and vLLM's Sampler: its
+    tokens and the logits row of every step."""
+    import torch
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.sampler import Sampler
+
+    out: list[int] = []
+    proc.update_state(BatchUpdate(1, [], [(0, params, prompt, out)], []))
+    gens = {} if params.seed is None else {0: torch.Generator().manual_seed(params.seed)}
+    sampler, rows = Sampler(), []
+    ids, past = torch.tensor([prompt]), None
+    with torch.no_grad():
+        for _ in range(params.max_tokens):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            row = res.logits[0, -1, :vocab].float()
+            rows.append(row.clone())
+            proc.update_state(None)
+            tok = int(sampler(row[None].clone(), _metadata(proc, [params], gens, vocab))
+                      .sampled_token_ids[0, 0])
+            out.append(tok)
+            if tok == params.eos_token_id:
+                break
+            ids = torch.tensor([[tok]])
+    proc.update_state(BatchUpdate(0, [0], [], []))
+    return out, rows
+
+
+def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: float):
+    """Per-step processor time of each mode over ``batch`` recorded outputs
+    at a time (schema, prompt, tokens, rows); which mode goes first
+    alternates per step."""
+    import torch
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    times = {m: [] for m in procs}
+    for start in range(0, len(seqs), batch):
+        group = seqs[start:start + batch]
+        outs = {m: [[] for _ in group] for m in procs}
+        for m, proc in procs.items():
+            added = [(i, _sampling_params(s, m, temperature, None, len(t), eos), p, outs[m][i])
+                     for i, (s, p, t, _) in enumerate(group)]
+            proc.update_state(BatchUpdate(len(group), [], added, []))
+        for step in range(max(len(t) for _, _, t, _ in group)):
+            live = [i for i, (_, _, t, _) in enumerate(group) if step < len(t)]
+            if len(live) < len(group):
+                break  # the batch stays full: steps while every output goes on
+            logits = torch.stack([group[i][3][step] for i in live])
+            order = list(procs) if step % 2 == 0 else list(procs)[::-1]
+            for m in order:
+                procs[m].update_state(None)
+                x = logits.clone()
+                t0 = time.perf_counter()
+                procs[m].apply(x)
+                times[m].append((time.perf_counter() - t0) * 1e3)
+            for m in procs:
+                for i in live:
+                    outs[m][i].append(group[i][2][step])
+        for m, proc in procs.items():
+            proc.update_state(BatchUpdate(0, list(range(len(group)))[::-1], [], []))
+    return times
+
+
+def run_awrs(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_plugins.bench.engines import resolve_model
+    from vllm_plugins.bench.grammar_bench import load_schemas, prompt_ids
+    from vllm_plugins.grammar.spec import GrammarSpecError, compile_grammar_request
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    torch.set_num_threads(max(args.threads, 1))
+    model_path = resolve_model(args.model)
+    cfg = EngineArgs(model=model_path, max_model_len=args.max_model_len, enforce_eager=True,
+                     dtype="float32").create_engine_config()
+    vocab = cfg.model_config.get_vocab_size()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    eos = tok.eos_token_id
+    schemas = []
+    for row in load_schemas(args.schemas, args.schema_file):
+        try:
+            compile_grammar_request({"json_schema": row["schema"]})
+            schemas.append(row["schema"])
+        except GrammarSpecError:
+            continue
+    procs = {m: GrammarLogitsProcessor(cfg, torch.device("cpu"), False) for m in _MODES}
+    print(f"model {model_path}, vocab {vocab}, schemas {len(schemas)}, "
+          f"max tokens {args.max_tokens}, torch threads {torch.get_num_threads()}\n")
+    print("| decoding | tokens | outputs equal to mask mode | checks / token | "
+          "masks / token | evaluations / token, AWRS | mask mode | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    recorded = []
+    for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1, seeded")):
+        stats = procs["awrs"].awrs_stats
+        before = (stats.rows, stats.checks, stats.masks)
+        equal = n_tokens = 0
+        for k, schema in enumerate(schemas):
+            prompt = prompt_ids(tok, schema)
+            seed = None if temperature == 0.0 else args.seed + k
+            got = {}
+            for m in _MODES:
+                p = _sampling_params(schema, m, temperature, seed, args.max_tokens, eos)
+                got[m] = decode(model, procs[m], prompt, p, vocab)
+            equal += got["awrs"][0] == got["mask"][0]
+            n_tokens += len(got["awrs"][0])
+            if temperature == 0.0:
+                recorded.append((schema, prompt, got["mask"][0], got["mask"][1]))
+        rows, checks, masks = (a - b for a, b in zip(
+            (stats.rows, stats.checks, stats.masks), before))
+        per_tok = (checks + masks * vocab) / max(rows, 1)
+        print(f"| {label} | {n_tokens} | {equal}/{len(schemas)} | {checks / max(rows, 1):.2f} | "
+              f"{masks / max(rows, 1):.3f} | {per_tok:.0f} | {vocab} | "
+              f"{vocab / max(per_tok, 1e-9):.0f}x |")
+    print(f"\n| batch | decoding | steps | mask p50 ms | AWRS p50 ms | mask mean | AWRS mean "
+          f"| AWRS / mask (mean) |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1")):
+        times = replay_times(procs, recorded, args.batch[0], eos, temperature)
+        mk, aw = times["mask"], times["awrs"]
+        if not mk:
+            print(f"| {args.batch[0]} | {label} | 0 | - | - | - | - | - |")
+            continue
+        print(f"| {args.batch[0]} | {label} | {len(mk)} | {statistics.median(mk):.3f} | "
+              f"{statistics.median(aw):.3f} | {statistics.fmean(mk):.3f} | "
+              f"{statistics.fmean(aw):.3f} | {statistics.fmean(aw) / statistics.fmean(mk):.2f} |")
+    return 0
