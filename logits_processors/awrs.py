@@ -156,6 +156,17 @@ def race(work: torch.Tensor, noise: torch.Tensor | None) -> int:
     return int(probs.div_(noise).argmax())
 
 
+def race_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """The greedy argmax of ``logits[rows]``, as vLLM's sampler takes it."""
+    if not rows:
+        return []
+    from vllm.v1.sample.sampler import Sampler
+
+    if rows == list(range(len(rows))):  # the leading rows: a view, no copy
+        return Sampler.greedy_sample(logits[:len(rows)]).tolist()
+    return Sampler.greedy_sample(logits[rows]).tolist()
+
+
 def truncate(row: torch.Tensor, areq: AwrsRequest) -> torch.Tensor:
     """What vLLM's sampler does to a (masked, temperature-scaled) row after
     the logits processors: min-p, then top-k and top-p with its own code."""
@@ -245,8 +256,10 @@ class RowChoice:
                     return False
         return True
 
-    def choose(self, row: torch.Tensor, noise) -> int | None:
-        """The mask mode's token for this row and noise; None: nothing is allowed."""
+    def choose(self, row: torch.Tensor, noise, first: int | None = None) -> int | None:
+        """The mask mode's token for this row and noise; None: nothing is
+        allowed. ``first``: the greedy argmax of ``row`` when the caller
+        took it for several rows in one call."""
         areq = self.areq
         self.stats.rows += 1
         if areq.greedy:
@@ -258,7 +271,7 @@ class RowChoice:
         if not areq.truncated:
             work = scaled  # copied at the first refusal (never the caller's row)
             for n in range(MAX_REFUSALS + 1):
-                tok = race(work, noise)
+                tok = first if n == 0 and first is not None else race(work, noise)
                 if float(work[tok]) == _NEG_INF:
                     return None  # every token removed
                 ok = self.allowed(tok)
@@ -360,12 +373,13 @@ class AwrsRows:
         req.fail(why)
         self._log_once(f"awrs:{why}", "grammar request failed: %s", why)
 
-    def _awrs_decide(self, choice: RowChoice, row_logits: torch.Tensor) -> int | None:
+    def _awrs_decide(self, choice: RowChoice, row_logits: torch.Tensor,
+                     first: int | None = None) -> int | None:
         req = choice.req
         try:
             noise = None if choice.areq.greedy else choice.areq.noise(
                 row_logits.shape[0], row_logits.device)
-            tok = choice.choose(row_logits, noise)
+            tok = choice.choose(row_logits, noise, first)
         except Exception as e:  # noqa: BLE001 - a failing check fails its request only
             self._awrs_fail(req, f"token check {choice.areq.check!r} raised "
                                  f"{type(e).__name__}: {e}")
@@ -378,13 +392,17 @@ class AwrsRows:
                     reqs: list["GrammarRequest"]) -> tuple[list[int], list["GrammarRequest"]]:
         """Decide the AWRS requests' plain rows; return the other rows."""
         rest_rows, rest_reqs, hot_rows, hot_toks = [], [], [], []
+        # The greedy rows' argmax in one call (a call per row costs several times more).
+        greedy = [row for row, req in zip(rows, reqs)
+                  if self._awrs_ready(req) and req.awrs.greedy and not req.awrs.truncated]
+        firsts = dict(zip(greedy, race_rows(logits, greedy)))
         for row, req in zip(rows, reqs):
             if not self._awrs_ready(req):
                 rest_rows.append(row)
                 rest_reqs.append(req)
                 continue
             choice = RowChoice(self._runtime, req, req.awrs.text, self.awrs_stats)
-            tok = self._awrs_decide(choice, logits[row])
+            tok = self._awrs_decide(choice, logits[row], firsts.get(row))
             if tok is None:  # failed: the mask path forces its failure text
                 rest_rows.append(row)
                 rest_reqs.append(req)
