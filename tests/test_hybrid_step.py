@@ -169,3 +169,20 @@ def test_calibration_learns_as_the_numpy_formula():
             numpy_learn(want, *args)
         for name in ("s", "n", "sd", "nd"):
             assert np.array_equal(getattr(got, name), getattr(want, name)), (trial, name)
+
+
+def test_the_proposer_cost_bench_runs_every_method_on_the_same_steps():
+    """``python -m vllm_plugins.bench proposer-cost``: each method's steps
+    timed, drafting, and the first method the ratios' reference."""
+    from vllm_plugins.bench import proposer_cost
+
+    args = proposer_cost.parse_args(["--steps", "6", "--warmup", "2", "--prompt", "40",
+                                     "--distinct", "20", "--output", "12",
+                                     "--batch-sizes", "1,3"])
+    rows = proposer_cost.run(proposer_cost.DEFAULT_METHODS, args.batch_sizes, args)
+    assert [(r["batch"], r["method"]) for r in rows] == [
+        (b, m) for b in (1, 3) for m in proposer_cost.DEFAULT_METHODS]
+    for r in rows:
+        assert r["steps"] == 6 and r["median_ms"] > 0 and r["nodes_per_step"] > 0, r
+        if r["method"] == "token_recycling":
+            assert r["ratio_to_token_recycling"] == 1.0

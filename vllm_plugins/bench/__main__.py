@@ -52,6 +52,11 @@ def _vocab_cost():
     return vocab_cost
 
 
+def _proposer_cost():
+    from vllm_plugins.bench import proposer_cost
+    return proposer_cost
+
+
 def _kernel_sizes():
     from vllm_plugins.bench import kernel_sizes
     return kernel_sizes
@@ -79,6 +84,8 @@ SUBCOMMANDS = {
                                     "a chain step of the same tokens"),
     "vocab-cost": (_vocab_cost, "what Token Recycling adds to a step against vLLM ngram "
                                 "on a 262k vocabulary"),
+    "proposer-cost": (_proposer_cost, "a proposer's own time per step on synthetic steps, "
+                                      "methods interleaved"),
     "kernel-sizes": (_kernel_sizes, "a new token count in vLLM's CPU linear layers; "
                                     "the tree attention twin's CPU time"),
     "tree-kernels-gpu": (_tree_kernels_gpu, "the tree kernels' cost on a CUDA GPU"),
