@@ -5,7 +5,7 @@ numpy formula it replaced."""
 
 import numpy as np
 
-from vllm_plugins.proposers.sources import SourceTree
+from vllm_plugins.proposers.sources import DraftSource, SourceTree
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 from vllm_plugins.proposers.sources.merge import MergedStep, Merger, outcomes
 
@@ -186,3 +186,31 @@ def test_the_proposer_cost_bench_runs_every_method_on_the_same_steps():
         assert r["steps"] == 6 and r["median_ms"] > 0 and r["nodes_per_step"] > 0, r
         if r["method"] == "token_recycling":
             assert r["ratio_to_token_recycling"] == 1.0
+
+
+class NotNumbersSource(DraftSource):
+    name = "not_numbers"
+
+    def propose(self, request, budget):
+        return SourceTree(np.array(["a", "b"]), np.array([-1, 0]), np.array([0.5, 0.5]))
+
+
+def test_a_source_drafting_what_is_not_a_number_costs_only_its_own_candidates(
+        monkeypatch, caplog):
+    """The step's arrays are built from every source's tree at once; a tree
+    that does not convert is found and left out alone, and counted."""
+    from tests.test_hybrid import hybrid, request
+    from vllm_plugins.proposers import sources
+    from vllm_plugins.step_context import StepContext
+
+    monkeypatch.setitem(sources.BUILTIN, "not_numbers", f"{__name__}:NotNumbersSource")
+    p = hybrid(sources=["not_numbers", "ngram"])
+    context = [7, 8, 9, 7, 8, 9, 7, 8]
+    for _ in range(3):
+        d = p.step(StepContext([request(context), request(context, req_id="b")],
+                               max_draft=8))
+        assert d.tokens[0][:2] == [9, 7] and d.tokens[1][:2] == [9, 7]   # ngram's
+    m = p.metrics()
+    assert m["num_errors"] == 0
+    assert m["sources"]["not_numbers"]["errors"] == 6 and m["sources"]["ngram"]["errors"] == 0
+    assert sum("not_numbers" in r.getMessage() for r in caplog.records) == 1

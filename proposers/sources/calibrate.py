@@ -64,7 +64,7 @@ class SourceCalibrator:
 
     def calibrate(self, source: int, depth: np.ndarray, c: np.ndarray) -> np.ndarray:
         """Calibrated estimates of one source's nodes (depth: root child 1).
-        The merge computes the same inside its loop (``merge.calibrated``)."""
+        The merge computes the same inside its loop (``trie.calibrated``)."""
         d, b, c = self._index(depth, c)
         k = self._STRENGTH
         g = (self.s[source, b] + k * c) / (self.n[source, b] + k)
