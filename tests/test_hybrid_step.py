@@ -214,3 +214,31 @@ def test_a_source_drafting_what_is_not_a_number_costs_only_its_own_candidates(
     assert m["num_errors"] == 0
     assert m["sources"]["not_numbers"]["errors"] == 6 and m["sources"]["ngram"]["errors"] == 0
     assert sum("not_numbers" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_trees_of_different_steps_are_read_together():
+    """A request that sat out a step is read against the tree of the step it
+    last drafted in, beside requests whose trees are the last step's: the
+    same entries, in batch order, as reading each tree alone."""
+    from tests.test_hybrid import hybrid, request
+    from vllm_plugins.step_context import StepContext
+
+    p = hybrid(sources=["ngram", "token_recycling"])
+    a, b = [7, 8, 9, 7, 8, 9, 7, 8], [1, 2, 3, 1, 2, 3, 1, 2]
+    p.step(StepContext([request(a), request(b, req_id="b")], max_draft=8))
+    old_b = p._merged["b"]
+    p.step(StepContext([request(a + [9], [9])], max_draft=8))    # b sits out
+    new_a = p._merged["a"]
+    assert old_b.trees is not new_a.trees
+    seen = []
+    p.calibrator.learn = lambda *args: seen.append(args)
+    emitted = [np.array([7, 8]), np.array([3, 5])]
+    p.step(StepContext([request(a + [9, 7, 8], emitted[0]),
+                        request(b + [3, 5], emitted[1], req_id="b")], max_draft=8))
+    acc, alone = np.zeros(2, np.int64), np.zeros(2, np.int64)
+    want = [Merger(2).outcomes_step(rec.trees, [rec.start], [rec.n], [e], acc, alone)
+            for rec, e in ((new_a, emitted[0]), (old_b, emitted[1]))]
+    [got] = seen
+    for j in range(4):
+        assert np.array_equal(got[j], np.concatenate([w[j] for w in want])), j
+    assert len(got[0]) > 0
