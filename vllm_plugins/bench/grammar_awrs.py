@@ -16,12 +16,12 @@ driven as vLLM's V1 runner drives it, its rows sampled by vLLM's own
   vocabulary entry, so the mask mode's evaluations per token are the
   vocabulary size; AWRS's are its checks plus the vocabulary size per mask
   it fell back to.
-* Time per step at ``--batch`` requests (default 16): the greedy mask-mode
-  outputs are replayed (their logits rows, recorded while decoding),
-  through one mask-mode and one AWRS processor in the same process, which
-  goes first alternating per step; each step then commits the recorded
-  token, so both see the same batch. Wall-clock on a shared host: the ratio
-  is the figure to read.
+* Time per step at ``--batch`` requests: the greedy mask-mode outputs are
+  replayed (their logits rows, recorded while decoding) through one
+  mask-mode and one AWRS processor in the same process, which goes first
+  alternating per step; each step commits the recorded token, so both see
+  the same batch, and a slot whose output ends takes the next output.
+  Wall-clock on a shared host: the ratio is the figure to read.
 """
 
 from __future__ import annotations
@@ -88,37 +88,49 @@ def decode(model, proc, prompt: list[int], params, vocab: int):
 
 
 def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: float):
-    """Per-step processor time of each mode over ``batch`` recorded outputs
-    at a time (schema, prompt, tokens, rows); which mode goes first
-    alternates per step."""
+    """Per-step processor time of each mode over the recorded outputs
+    (schema, prompt, tokens, rows), ``batch`` at a time: a slot whose output
+    ends takes the next one, as continuous batching refills it; steps while
+    every slot is busy. Which mode goes first alternates per step."""
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate
 
     times = {m: [] for m in procs}
-    for start in range(0, len(seqs), batch):
-        group = seqs[start:start + batch]
-        outs = {m: [[] for _ in group] for m in procs}
+    queue = list(seqs)
+    slots: list = [None] * batch
+    outs = {m: [None] * batch for m in procs}
+
+    def fill(slot: int) -> bool:
+        if not queue:
+            return False
+        s, p, t, rows = queue.pop(0)
+        removed = [] if slots[slot] is None else [slot]
+        slots[slot] = [t, rows, 0]
         for m, proc in procs.items():
-            added = [(i, _sampling_params(s, m, temperature, None, len(t), eos), p, outs[m][i])
-                     for i, (s, p, t, _) in enumerate(group)]
-            proc.update_state(BatchUpdate(len(group), [], added, []))
-        for step in range(max(len(t) for _, _, t, _ in group)):
-            live = [i for i, (_, _, t, _) in enumerate(group) if step < len(t)]
-            if len(live) < len(group):
-                break  # the batch stays full: steps while every output goes on
-            logits = torch.stack([group[i][3][step] for i in live])
-            order = list(procs) if step % 2 == 0 else list(procs)[::-1]
-            for m in order:
-                procs[m].update_state(None)
-                x = logits.clone()
-                t0 = time.perf_counter()
-                procs[m].apply(x)
-                times[m].append((time.perf_counter() - t0) * 1e3)
+            outs[m][slot] = []
+            sp = _sampling_params(s, m, temperature, None, len(t), eos)
+            proc.update_state(BatchUpdate(batch, removed, [(slot, sp, p, outs[m][slot])], []))
+        return True
+
+    if not all(fill(i) for i in range(batch)):
+        return times
+    while True:
+        logits = torch.stack([rows[k] for _, rows, k in slots])
+        order = list(procs) if len(times["mask"]) % 2 == 0 else list(procs)[::-1]
+        for m in order:
+            procs[m].update_state(None)
+            x = logits.clone()
+            t0 = time.perf_counter()
+            procs[m].apply(x)
+            times[m].append((time.perf_counter() - t0) * 1e3)
+        for i, slot in enumerate(slots):
             for m in procs:
-                for i in live:
-                    outs[m][i].append(group[i][2][step])
-        for m, proc in procs.items():
-            proc.update_state(BatchUpdate(0, list(range(len(group)))[::-1], [], []))
+                outs[m][i].append(slot[0][slot[2]])
+            slot[2] += 1
+        if any(slot[2] == len(slot[0]) and not fill(i) for i, slot in enumerate(slots)):
+            break
+    for m, proc in procs.items():
+        proc.update_state(BatchUpdate(0, list(range(batch))[::-1], [], []))
     return times
 
 
@@ -178,7 +190,7 @@ def run_awrs(args) -> int:
     print(f"\n| batch | decoding | steps | mask p50 ms | AWRS p50 ms | mask mean | AWRS mean "
           f"| AWRS / mask (mean) |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1")):
-        times = replay_times(procs, recorded, args.batch[0], eos, temperature)
+        times = replay_times(procs, recorded * 4, args.batch[0], eos, temperature)
         mk, aw = times["mask"], times["awrs"]
         if not mk:
             print(f"| {args.batch[0]} | {label} | 0 | - | - | - | - | - |")
