@@ -121,14 +121,14 @@ class AwrsRequest:
         """top-p or min-p: the kept set depends on the whole allowed mass."""
         return self.top_p < 1.0 or self.min_p > 0.0
 
-    def _generator(self, device: torch.device) -> torch.Generator | None:
+    def _generator(self, device: torch.device, width: int) -> torch.Generator | None:
         if self.seed is None:
             return None
         if self.gen is None:  # as vLLM's model runner builds the request's own
             self.gen = torch.Generator(device=device)
             self.gen.manual_seed(self.seed)
             for _ in range(self._skip):
-                self._draw(self.gen, 0, device)
+                self._draw(self.gen, width, device)
         return self.gen
 
     @staticmethod
@@ -140,7 +140,7 @@ class AwrsRequest:
 
     def noise(self, width: int, device: torch.device):
         """This row's draw: from the request's generator copy when seeded."""
-        return self._draw(self._generator(device), width, device)
+        return self._draw(self._generator(device, width), width, device)
 
 
 def race(work: torch.Tensor, noise: torch.Tensor | None) -> int:
