@@ -187,25 +187,40 @@ def learn_tree(tables: RecyclingTables, context: np.ndarray, tokens: np.ndarray,
     order = tables.context_order
     if order < 2:
         return
-    seqs, ends, starts, offset = [], [], [], 0
-    tail = context[-order:]
-    for i in range(-1, len(tokens)):
-        path = []
-        j = i
-        while j >= 0 and len(path) < order:
-            path.append(tokens[j])
-            j = parents[j]
-        path.reverse()
-        seq = np.concatenate([tail, np.asarray(path, np.int64)])[-order:]
-        seqs.append(seq)
-        starts.append(offset)
-        offset += len(seq)
-        ends.append(offset)
-    tables.learn_contexts(np.concatenate(seqs), np.asarray(ends), topk_ids[:rows, 0],
-                          topk_logprobs[:rows, 0], np.asarray(starts))
+    seqs = np.empty(rows * order, np.int64)
+    starts = np.empty(rows, np.int64)
+    ends = np.empty(rows, np.int64)
+    used = _context_paths(context[-order:], tokens, parents, order, seqs, starts, ends)
+    tables.learn_contexts(seqs[:used], ends, topk_ids[:rows, 0], topk_logprobs[:rows, 0],
+                          starts)
 
 
 # ------------------------------------------------------------------ kernels
+
+@cached_njit
+def _context_paths(tail, tokens, parents, order, seqs, starts, ends):
+    """For the root and each node i, the ``order`` tokens that lead to it
+    (the context's tail, then its ancestors, then i), written back to back
+    into ``seqs`` with each one's [start, end); returns the length used.
+    A Python walk per node cost more than the tables' update itself."""
+    path = np.empty(order, np.int64)
+    used = 0
+    for i in range(-1, len(tokens)):
+        depth = 0
+        j = i
+        while j >= 0 and depth < order:
+            path[depth] = tokens[j]
+            depth += 1
+            j = parents[j]
+        total = len(tail) + depth
+        take = min(order, total)
+        starts[i + 1] = used
+        for q in range(total - take, total):
+            seqs[used] = tail[q] if q < len(tail) else path[depth - 1 - (q - len(tail))]
+            used += 1
+        ends[i + 1] = used
+    return used
+
 
 @cached_njit
 def _find_span(context, min_match, max_match, max_len, out):
