@@ -31,6 +31,7 @@ def test_awrs_outputs_equal_mask_mode(base, temperature, seed):
     from vllm import SamplingParams
 
     schemas, prompts = _prompts(base)
+    before = _awrs_rows(base)
     out = {}
     for mode in ("mask", "awrs"):
         params = [SamplingParams(temperature=temperature, seed=None if seed is None else seed + i,
@@ -42,3 +43,13 @@ def test_awrs_outputs_equal_mask_mode(base, temperature, seed):
         assert all(r.outputs[0].finish_reason in ("stop", "length") for r in res)
     for name, a, m in zip(SCHEMAS, out["awrs"], out["mask"]):
         assert a == m, name
+    # AWRS chose them all but an EOS the finished grammar forces at the end.
+    assert _awrs_rows(base) - before >= sum(len(o) - 1 for o in out["awrs"])
+
+
+def _awrs_rows(llm) -> int:
+    """Rows the engine's grammar processor decided by AWRS so far."""
+    (rows,) = llm.collective_rpc(lambda w: sum(
+        p.awrs_stats.rows for p in w.model_runner.input_batch.logitsprocs.all
+        if type(p).__name__ == "GrammarLogitsProcessor"))
+    return rows
