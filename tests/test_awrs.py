@@ -410,3 +410,46 @@ def test_single_token_checks_agree_with_llguidance_masks(tokenizer):
                 break
             m.consume_token(t)
     assert forced and prefix_refused  # the rule was needed, and held
+
+
+def test_v2_runner_masks_awrs_requests_and_fails_checks(vllm_config, installed_checks):
+    """vLLM's V2 model runner: an AWRS request is masked plainly (its row
+    keeps every allowed token), and one with a check, which no mask
+    applies, fails."""
+    from tests.test_grammar_processor import _ctx, _v2
+
+    proc, rs = _v2(vllm_config)
+    width = vllm_config.model_config.get_vocab_size()
+    assert proc.add_request(0, params({"regex": "[a-z]+", "sampling": "awrs"}))
+    assert proc.add_request(1, params({"regex": "[a-z]+", "sampling": "awrs",
+                                       "check": "banned_words"}))
+    assert proc._reqs[0].awrs is None and not proc._reqs[0].failed
+    assert "check needs vLLM's V1 model runner" in proc._reqs[1].failed
+    rs.prompt_len.np[:2] = 1
+    logits = torch.zeros(2, width)
+    proc.apply(logits, _ctx([0, 1], [1, 1], [0, 0], [5, 5]))
+    assert torch.isfinite(logits[0]).sum() > 1000  # the mask: every lowercase spelling
+    assert torch.isfinite(logits[1]).sum() == 1    # the failure text, forced
+
+
+def test_a_check_sees_the_drafts_before_a_verified_row(proc, rt, installed_checks):
+    """Under speculation row j is checked against the output plus
+    ``draft[:j]``: after a drafted "1", "digits until a newline" allows a
+    newline, which it refuses at the start."""
+    spec = {"check": "digits_until_newline", "sampling": "awrs"}
+    enc = TinyTokenizer()
+    draft = enc("1") + enc("2")
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[],
+                                  added=[(0, params(spec), [1], [])]))
+    rows = torch.full((len(draft), V), -5.0)
+    rows[:, 7] = 5.0                 # "\n" first,
+    rows[:, [8, 9, 10]] = 4.0        # then letters,
+    rows[:, 18] = 3.0                # then "7"
+    proc.begin_verification([draft])
+    try:
+        out = proc.apply_drafted(rows.clone(), [len(draft)])
+    finally:
+        proc.end_verification()
+    picked = [TinyTokenizer.PIECES[int(r.argmax())] for r in out]
+    assert picked == ["7", "\n"]
+    assert proc.awrs_stats.check_calls >= 4  # "\n" and three letters refused at row 0
