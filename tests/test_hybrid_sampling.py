@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.test_stand import pearson
 from vllm_plugins.proposers import sources
 from vllm_plugins.proposers.hybrid import HybridProposer
 from vllm_plugins.step_context import RequestStep, StepContext
@@ -40,27 +41,6 @@ def target(seed=11):
     drafts are often right and trees branch where they are not."""
     rng = np.random.default_rng(seed)
     return rng.dirichlet(np.full(V, 0.25), size=V)
-
-
-def pearson(observed, probs):
-    """Pearson statistic and degrees of freedom of one multinomial, cells
-    pooled as ``chi2_pvalue`` pools them (expected < 5)."""
-    observed = np.asarray(observed, np.float64)
-    exp = np.asarray(probs, np.float64) * observed.sum()
-    obs_c, exp_c, acc_o, acc_e = [], [], 0.0, 0.0
-    for i in np.argsort(exp):
-        acc_o += observed[i]
-        acc_e += exp[i]
-        if acc_e >= 5:
-            obs_c.append(acc_o)
-            exp_c.append(acc_e)
-            acc_o = acc_e = 0.0
-    if not exp_c:
-        return 0.0, 0
-    obs_c[-1] += acc_o
-    exp_c[-1] += acc_e
-    obs_c, exp_c = np.array(obs_c), np.array(exp_c)
-    return float(((obs_c - exp_c) ** 2 / exp_c).sum()), len(exp_c) - 1
 
 
 def transition_pvalue(counts, P):

@@ -15,31 +15,37 @@ from vllm_plugins.step_context import RequestStep, StepContext
 V = 12
 
 
-def chi2_pvalue(observed, expected_probs) -> float:
-    """Pearson chi-square p-value (cells with expected < 5 pooled)."""
-    import torch
-
+def pearson(observed, expected_probs) -> tuple[float, int]:
+    """Pearson statistic and degrees of freedom of one multinomial, cells with
+    expected < 5 pooled (a pooled cell expecting nothing that saw something
+    gives an infinite statistic)."""
     observed = np.asarray(observed, dtype=np.float64)
-    n = observed.sum()
-    exp = np.asarray(expected_probs, dtype=np.float64) * n
-    order = np.argsort(exp)
+    exp = np.asarray(expected_probs, dtype=np.float64) * observed.sum()
     obs_c, exp_c = [], []
     acc_o = acc_e = 0.0
-    for i in order:
+    for i in np.argsort(exp):
         acc_o += observed[i]
         acc_e += exp[i]
         if acc_e >= 5:
             obs_c.append(acc_o)
             exp_c.append(acc_e)
             acc_o = acc_e = 0.0
-    if acc_e > 0 and exp_c:
+    if not exp_c:
+        return 0.0, 0
+    if acc_e > 0:
         obs_c[-1] += acc_o
         exp_c[-1] += acc_e
     obs_c, exp_c = np.array(obs_c), np.array(exp_c)
     if np.any((exp_c == 0) & (obs_c > 0)):
-        return 0.0
-    stat = float(((obs_c - exp_c) ** 2 / np.maximum(exp_c, 1e-300)).sum())
-    df = len(exp_c) - 1
+        return float("inf"), len(exp_c) - 1
+    return float(((obs_c - exp_c) ** 2 / np.maximum(exp_c, 1e-300)).sum()), len(exp_c) - 1
+
+
+def chi2_pvalue(observed, expected_probs) -> float:
+    """Pearson chi-square p-value (cells with expected < 5 pooled)."""
+    import torch
+
+    stat, df = pearson(observed, expected_probs)
     if df <= 0:
         return 1.0
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
