@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling"]
+DEFAULT_METHODS = ["none", "ngram", "suffix", "token_recycling", "hybrid"]
 # The no-speculation engine run a second time on every batch: an A/A pair
 # whose "speedup" is the host's noise on that batch.
 RERUN = "none(rerun)"
