@@ -187,8 +187,8 @@ def run_awrs(args) -> int:
         print(f"| {label} | {n_tokens} | {equal}/{len(schemas)} | {checks / max(rows, 1):.2f} | "
               f"{masks / max(rows, 1):.3f} | {per_tok:.0f} | {vocab} | "
               f"{vocab / max(per_tok, 1e-9):.0f}x |")
-    print(f"\n| batch | decoding | steps | mask p50 ms | AWRS p50 ms | mask mean | AWRS mean "
-          f"| AWRS / mask (mean) |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| batch | decoding | steps | mask p50 ms | AWRS p50 ms | mask mean | AWRS mean "
+          "| AWRS / mask (mean) |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1")):
         times = replay_times(procs, recorded * 4, args.batch[0], eos, temperature)
         mk, aw = times["mask"], times["awrs"]
