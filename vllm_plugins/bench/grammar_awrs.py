@@ -1,12 +1,15 @@
-"""AWRS against the mask mode: constraint evaluations per token and the
-grammar processor's time per step, on the dev schemas.
+"""AWRS against the mask mode: constraint evaluations per token, the
+grammar processor's time per step, and a token check's calls per token, on
+the dev schemas.
 
-    python -m vllm_plugins.bench grammar --awrs --schemas 16 --max-tokens 96
+    python -m vllm_plugins.bench grammar --awrs --schemas 16 --max-tokens 96 --batch 1 16 --vocab 262144
 
 No engine: the default model (Hugging Face ``transformers``, float32, one
 thread) gives the next-token logits, and ``GrammarLogitsProcessor`` is
 driven as vLLM's V1 runner drives it, its rows sampled by vLLM's own
 ``Sampler`` (so temperature and the request's generator are vLLM's).
+End-to-end tok/s through an engine: ``--awrs-engine``
+(:mod:`vllm_plugins.bench.grammar_awrs_engine`).
 
 * Decoding, per schema, batch 1, greedy and at temperature 1 (seeded), once
   with ``"sampling": "mask"`` and once with ``"awrs"``: the outputs
@@ -16,31 +19,77 @@ driven as vLLM's V1 runner drives it, its rows sampled by vLLM's own
   vocabulary entry, so the mask mode's evaluations per token are the
   vocabulary size; AWRS's are its checks plus the vocabulary size per mask
   it fell back to.
-* Time per step at ``--batch`` requests: the greedy mask-mode outputs are
-  replayed (their logits rows, recorded while decoding) through one
-  mask-mode and one AWRS processor in the same process, which goes first
-  alternating per step; each step commits the recorded token, so both see
-  the same batch, and a slot whose output ends takes the next output.
+* Time per step at each ``--batch``: the greedy mask-mode outputs are
+  replayed (their logits rows, recorded while decoding) through a mask-mode,
+  an AWRS and an AWRS-with-a-check processor in the same process, the order
+  rotating per step; each step commits the recorded token, so all see the
+  same batch, and a slot whose output ends takes the next output.
   Wall-clock on a shared host: the ratio is the figure to read.
+* A token check (:func:`banned_words`, the banned-word example of
+  docs/grammar.md, installed for the run under :data:`CHECK`): its calls per
+  token in the replay. A mask would call it once per vocabulary entry.
+* ``--vocab N``: the same replay on a vocabulary of N (a random tiny Llama
+  from :func:`vllm_plugins.bench.vocab_cost.tiny_vocab_llama`, with the
+  default model's tokenizer, so llguidance serves it; the ids past the
+  tokenizer are never allowed). Its rows are the recorded ones, widened with
+  values below each row's minimum: the same argmax and, at temperature 1,
+  no mass on the new ids, so each step decides as at the default vocabulary
+  and only the width differs. (The tiny model's own rows would not do: a
+  random model mostly repeats its last token, which the grammar refuses, so
+  AWRS would fall back to the mask at most steps.)
 """
 
 from __future__ import annotations
 
+import importlib
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-_MODES = ("mask", "awrs")
+#: How each processor's requests ask for their grammar (besides the schema).
+CHECK = "vllm_plugins_bench_banned_words"
+MODES = {"mask": {"sampling": "mask"}, "awrs": {"sampling": "awrs"},
+         "awrs+check": {"sampling": "awrs", "check": CHECK}}
+_DECODE = ("mask", "awrs")
+BANNED = ("bad", "word")
+
+
+def banned_words(text: str, token: str) -> bool:
+    """No banned word anywhere in the output: the text with the token may
+    not contain one (one spanning the boundary counts)."""
+    tail = text[-max(map(len, BANNED)):] + token
+    return not any(w in tail for w in BANNED)
+
+
+def install_check() -> str:
+    """Register :func:`banned_words` as :data:`CHECK` in the entry-point
+    group checks are found by, as another package's wheel would, for this
+    process (a distribution folder in a temporary path on ``sys.path``)."""
+    from vllm_plugins.grammar.checks import ENTRY_POINT_GROUP, available
+
+    if CHECK in available():
+        return CHECK
+    where = Path(tempfile.mkdtemp(prefix="vllm_plugins_bench_checks_"))
+    dist = where / "vllm_plugins_bench_checks-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-plugins-bench-checks\n"
+                                   "Version: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\n{CHECK} = {__name__}:banned_words\n")
+    sys.path.insert(0, str(where))
+    importlib.invalidate_caches()
+    return CHECK
 
 
 def _sampling_params(schema, mode: str, temperature: float, seed, max_tokens: int, eos: int):
     from vllm import SamplingParams
 
     p = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                       extra_args={"grammar": {"json_schema": schema, "sampling": mode}})
+                       extra_args={"grammar": {"json_schema": schema, **MODES[mode]}})
     p.update_from_generation_config({}, eos)
     return p
-
-
 def _metadata(proc, plist, generators, vocab: int):
     import torch
     from vllm.v1.sample.logits_processor import LogitsProcessors
@@ -87,11 +136,14 @@ def decode(model, proc, prompt: list[int], params, vocab: int):
     return out, rows
 
 
-def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: float):
+def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: float,
+                 width: int | None = None):
     """Per-step processor time of each mode over the recorded outputs
     (schema, prompt, tokens, rows), ``batch`` at a time: a slot whose output
     ends takes the next one, as continuous batching refills it; steps while
-    every slot is busy. Which mode goes first alternates per step."""
+    every slot is busy. The order of the modes rotates per step. ``width``:
+    the rows widened to it with values below each row's minimum (built
+    outside the timed calls)."""
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate
 
@@ -99,6 +151,9 @@ def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: flo
     queue = list(seqs)
     slots: list = [None] * batch
     outs = {m: [None] * batch for m in procs}
+    pad = None
+    if width is not None:
+        pad = torch.rand(width - seqs[0][3][0].shape[0], generator=torch.Generator().manual_seed(0))
 
     def fill(slot: int) -> bool:
         if not queue:
@@ -114,10 +169,14 @@ def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: flo
 
     if not all(fill(i) for i in range(batch)):
         return times
+    names = list(procs)
     while True:
         logits = torch.stack([rows[k] for _, rows, k in slots])
-        order = list(procs) if len(times["mask"]) % 2 == 0 else list(procs)[::-1]
-        for m in order:
+        if pad is not None:
+            low = logits.min(dim=1, keepdim=True).values - 1.0
+            logits = torch.cat([logits, low - pad[None]], dim=1)
+        step = len(times[names[0]])
+        for m in names[step % len(names):] + names[:step % len(names)]:
             procs[m].update_state(None)
             x = logits.clone()
             t0 = time.perf_counter()
@@ -134,6 +193,39 @@ def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: flo
     return times
 
 
+def tiny_config(vocab: int, tokenizer: str):
+    """The engine config of a random tiny Llama with a ``vocab``-wide
+    vocabulary (written once to a temporary folder) and ``tokenizer``."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_plugins.bench.vocab_cost import tiny_vocab_llama
+
+    path = tiny_vocab_llama(Path(tempfile.gettempdir()) / f"vllm_plugins_awrs_vocab_{vocab}",
+                            vocab)
+    return EngineArgs(model=path, tokenizer=tokenizer, max_model_len=1024, enforce_eager=True,
+                      dtype="float32").create_engine_config()
+
+
+def print_replay(procs: dict, recorded: list, batches: list[int], eos: int, vocab: int,
+                 width: int | None) -> None:
+    """The replay's rows of the time table, one per batch and decoding."""
+    check = procs["awrs+check"].awrs_stats
+    for batch in batches:
+        for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1")):
+            rows0, calls0 = check.rows, check.check_calls
+            times = replay_times(procs, recorded * 4, batch, eos, temperature, width)
+            mk, aw, ck = times["mask"], times["awrs"], times["awrs+check"]
+            if not mk:
+                print(f"| {width or vocab} | {batch} | {label} | 0 ||||||")
+                continue
+            rows, calls = check.rows - rows0, check.check_calls - calls0
+            mean = statistics.fmean
+            print(f"| {width or vocab} | {batch} | {label} | {len(mk)} | "
+                  f"{statistics.median(mk):.3f} ({mean(mk):.3f}) | "
+                  f"{statistics.median(aw):.3f} ({mean(aw):.3f}) | {mean(aw) / mean(mk):.2f} | "
+                  f"{mean(ck):.3f} | {calls / max(rows, 1):.2f} | {width or vocab} |", flush=True)
+
+
 def run_awrs(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -145,10 +237,13 @@ def run_awrs(args) -> int:
     from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
 
     torch.set_num_threads(max(args.threads, 1))
+    install_check()
     model_path = resolve_model(args.model)
     cfg = EngineArgs(model=model_path, max_model_len=args.max_model_len, enforce_eager=True,
                      dtype="float32").create_engine_config()
     vocab = cfg.model_config.get_vocab_size()
+    if args.vocab is not None and args.vocab < vocab:
+        raise SystemExit(f"--vocab {args.vocab} is below the model's vocabulary ({vocab})")
     tok = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     eos = tok.eos_token_id
@@ -159,12 +254,12 @@ def run_awrs(args) -> int:
             schemas.append(row["schema"])
         except GrammarSpecError:
             continue
-    procs = {m: GrammarLogitsProcessor(cfg, torch.device("cpu"), False) for m in _MODES}
+    procs = {m: GrammarLogitsProcessor(cfg, torch.device("cpu"), False) for m in MODES}
     print(f"model {model_path}, vocab {vocab}, schemas {len(schemas)}, "
           f"max tokens {args.max_tokens}, torch threads {torch.get_num_threads()}\n")
     print("| decoding | tokens | outputs equal to mask mode | checks / token | "
           "masks / token | evaluations / token, AWRS | mask mode | ratio |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     recorded = []
     for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1, seeded")):
         stats = procs["awrs"].awrs_stats
@@ -174,7 +269,7 @@ def run_awrs(args) -> int:
             prompt = prompt_ids(tok, schema)
             seed = None if temperature == 0.0 else args.seed + k
             got = {}
-            for m in _MODES:
+            for m in _DECODE:
                 p = _sampling_params(schema, m, temperature, seed, args.max_tokens, eos)
                 got[m] = decode(model, procs[m], prompt, p, vocab)
             equal += got["awrs"][0] == got["mask"][0]
@@ -186,16 +281,14 @@ def run_awrs(args) -> int:
         per_tok = (checks + masks * vocab) / max(rows, 1)
         print(f"| {label} | {n_tokens} | {equal}/{len(schemas)} | {checks / max(rows, 1):.2f} | "
               f"{masks / max(rows, 1):.3f} | {per_tok:.0f} | {vocab} | "
-              f"{vocab / max(per_tok, 1e-9):.0f}x |")
-    print("\n| batch | decoding | steps | mask p50 ms | AWRS p50 ms | mask mean | AWRS mean "
-          "| AWRS / mask (mean) |\n| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1")):
-        times = replay_times(procs, recorded * 4, args.batch[0], eos, temperature)
-        mk, aw = times["mask"], times["awrs"]
-        if not mk:
-            print(f"| {args.batch[0]} | {label} | 0 | - | - | - | - | - |")
-            continue
-        print(f"| {args.batch[0]} | {label} | {len(mk)} | {statistics.median(mk):.3f} | "
-              f"{statistics.median(aw):.3f} | {statistics.fmean(mk):.3f} | "
-              f"{statistics.fmean(aw):.3f} | {statistics.fmean(aw) / statistics.fmean(mk):.2f} |")
+              f"{vocab / max(per_tok, 1e-9):.0f}x |", flush=True)
+    del model
+    print("\n| vocab | batch | decoding | steps | mask ms a step, p50 (mean) | AWRS | "
+          "AWRS / mask (mean) | AWRS + check (mean) | check calls / token, AWRS | mask mode |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    print_replay(procs, recorded, args.batch, eos, vocab, None)
+    if args.vocab is not None:
+        big = tiny_config(args.vocab, model_path)
+        procs = {m: GrammarLogitsProcessor(big, torch.device("cpu"), False) for m in MODES}
+        print_replay(procs, recorded, args.batch, eos, vocab, args.vocab)
     return 0

@@ -7,7 +7,8 @@ grammar-forced drafts, and the cost of the grammar logits processor.
 
 ``--modes``: native structured output against our grammar processor, per
 mode (``vllm_plugins.bench.grammar_modes``); ``--awrs``: the processor's
-``"sampling": "awrs"`` against its mask mode (``vllm_plugins.bench.grammar_awrs``).
+``"sampling": "awrs"`` against its mask mode (``vllm_plugins.bench.grammar_awrs``),
+``--awrs-engine`` the same end to end (``vllm_plugins.bench.grammar_awrs_engine``).
 
 Schemas are JSONSchemaBench dev schemas (``json_schemas_dev.jsonl`` of the
 shared data, or ``--schema-file``), ``--schemas N`` of them spread evenly over
@@ -81,7 +82,11 @@ def parse_args(argv=None):
                    help="measure the grammar logits processor instead of "
                         "grammar-forced drafts")
     p.add_argument("--awrs", action="store_true",
-                   help='"sampling": "awrs" against the mask mode (bench.grammar_awrs)')
+                   help='"sampling": "awrs" against the mask mode: evaluations, time a '
+                        "step, a check's calls (bench.grammar_awrs)")
+    p.add_argument("--awrs-engine", action="store_true",
+                   help='"sampling": "awrs" against the mask mode: end-to-end tok/s in '
+                        "one vllm.LLM (bench.grammar_awrs_engine)")
     p.add_argument("--modes", default=None,
                    help="compare native structured output and our processor "
                         "per mode (comma list or 'all'; see bench.grammar_modes)")
@@ -115,6 +120,10 @@ def parse_args(argv=None):
                       help="torch CPU threads (0: leave)")
     proc.add_argument("--generate", type=int, default=0,
                       help="also decode N schemas with vllm.LLM and the processor")
+    awrs = p.add_argument_group("--awrs, --awrs-engine")
+    awrs.add_argument("--vocab", type=int, default=None,
+                      help="--awrs: also replay on a random tiny model with this "
+                           "vocabulary size (e.g. 262144)")
     return p.parse_args(argv)
 
 
@@ -513,6 +522,10 @@ def main(argv=None) -> int:
         from vllm_plugins.bench.grammar_awrs import run_awrs
 
         return run_awrs(args)
+    if args.awrs_engine:
+        from vllm_plugins.bench.grammar_awrs_engine import run_awrs_engine
+
+        return run_awrs_engine(args)
     if args.modes:
         from vllm_plugins.bench.grammar_modes import run_modes
 
