@@ -23,7 +23,9 @@ End-to-end tok/s through an engine: ``--awrs-engine``
   replayed (their logits rows, recorded while decoding) through a mask-mode,
   an AWRS and an AWRS-with-a-check processor in the same process, the order
   rotating per step; each step commits the recorded token, so all see the
-  same batch, and a slot whose output ends takes the next output.
+  same batch, and a slot whose output ends takes the next output (the
+  outputs repeated so that each slot takes about four). AWRS's evaluations
+  per token are counted again here (at ``--vocab`` a mask is that many).
   Wall-clock on a shared host: the ratio is the figure to read.
 * A token check (:func:`banned_words`, the banned-word example of
   docs/grammar.md, installed for the run under :data:`CHECK`): its calls per
@@ -107,9 +109,22 @@ def _metadata(proc, plist, generators, vocab: int):
         bad_words_token_ids={}, logitsprocs=LogitsProcessors([proc]))
 
 
-def decode(model, proc, prompt: list[int], params, vocab: int):
-    """One request decoded through the processor and vLLM's Sampler: its
-    tokens and the logits row of every step."""
+def prefill(model, prompt: list[int]):
+    """The prompt's last logits row and KV cache, computed once per prompt
+    and shared by its decodings (:func:`decode` copies the cache)."""
+    import torch
+
+    with torch.no_grad():
+        res = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+    return res.logits[0, -1].clone(), res.past_key_values
+
+
+def decode(model, proc, prompt: list[int], params, vocab: int, prefix):
+    """One request decoded through the processor and vLLM's Sampler, from
+    ``prefix`` (:func:`prefill` of ``prompt``): its tokens and the logits row
+    of every step."""
+    import copy
+
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.sampler import Sampler
@@ -118,12 +133,13 @@ def decode(model, proc, prompt: list[int], params, vocab: int):
     proc.update_state(BatchUpdate(1, [], [(0, params, prompt, out)], []))
     gens = {} if params.seed is None else {0: torch.Generator().manual_seed(params.seed)}
     sampler, rows = Sampler(), []
-    ids, past = torch.tensor([prompt]), None
+    last, past = prefix[0], copy.deepcopy(prefix[1])
     with torch.no_grad():
-        for _ in range(params.max_tokens):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            row = res.logits[0, -1, :vocab].float()
+        for step in range(params.max_tokens):
+            if step:
+                res = model(torch.tensor([[out[-1]]]), past_key_values=past, use_cache=True)
+                past, last = res.past_key_values, res.logits[0, -1]
+            row = last[:vocab].float()
             rows.append(row.clone())
             proc.update_state(None)
             tok = int(sampler(row[None].clone(), _metadata(proc, [params], gens, vocab))
@@ -131,7 +147,6 @@ def decode(model, proc, prompt: list[int], params, vocab: int):
             out.append(tok)
             if tok == params.eos_token_id:
                 break
-            ids = torch.tensor([[tok]])
     proc.update_state(BatchUpdate(0, [0], [], []))
     return out, rows
 
@@ -209,21 +224,27 @@ def tiny_config(vocab: int, tokenizer: str):
 def print_replay(procs: dict, recorded: list, batches: list[int], eos: int, vocab: int,
                  width: int | None) -> None:
     """The replay's rows of the time table, one per batch and decoding."""
-    check = procs["awrs+check"].awrs_stats
+    check, awrs = procs["awrs+check"].awrs_stats, procs["awrs"].awrs_stats
+    n = width or vocab
     for batch in batches:
         for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1")):
             rows0, calls0 = check.rows, check.check_calls
-            times = replay_times(procs, recorded * 4, batch, eos, temperature, width)
+            before = (awrs.rows, awrs.checks, awrs.masks)
+            reps = max(1, -(-4 * batch // len(recorded)))  # 4 outputs a slot
+            times = replay_times(procs, recorded * reps, batch, eos, temperature, width)
             mk, aw, ck = times["mask"], times["awrs"], times["awrs+check"]
             if not mk:
-                print(f"| {width or vocab} | {batch} | {label} | 0 ||||||")
+                print(f"| {n} | {batch} | {label} | 0 ||||||||")
                 continue
-            rows, calls = check.rows - rows0, check.check_calls - calls0
+            rows, checks, masks = (a - b for a, b in zip(
+                (awrs.rows, awrs.checks, awrs.masks), before))
+            c_rows, calls = check.rows - rows0, check.check_calls - calls0
             mean = statistics.fmean
-            print(f"| {width or vocab} | {batch} | {label} | {len(mk)} | "
+            print(f"| {n} | {batch} | {label} | {len(mk)} | "
+                  f"{(checks + masks * n) / max(rows, 1):.0f} | "
                   f"{statistics.median(mk):.3f} ({mean(mk):.3f}) | "
                   f"{statistics.median(aw):.3f} ({mean(aw):.3f}) | {mean(aw) / mean(mk):.2f} | "
-                  f"{mean(ck):.3f} | {calls / max(rows, 1):.2f} | {width or vocab} |", flush=True)
+                  f"{mean(ck):.3f} | {calls / max(c_rows, 1):.2f} | {n} |", flush=True)
 
 
 def run_awrs(args) -> int:
@@ -261,17 +282,18 @@ def run_awrs(args) -> int:
           "masks / token | evaluations / token, AWRS | mask mode | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
     recorded = []
+    prompts = [prompt_ids(tok, schema) for schema in schemas]
+    prefixes = [prefill(model, prompt) for prompt in prompts]
     for temperature, label in ((0.0, "greedy"), (1.0, "temperature 1, seeded")):
         stats = procs["awrs"].awrs_stats
         before = (stats.rows, stats.checks, stats.masks)
         equal = n_tokens = 0
-        for k, schema in enumerate(schemas):
-            prompt = prompt_ids(tok, schema)
+        for k, (schema, prompt) in enumerate(zip(schemas, prompts)):
             seed = None if temperature == 0.0 else args.seed + k
             got = {}
             for m in _DECODE:
                 p = _sampling_params(schema, m, temperature, seed, args.max_tokens, eos)
-                got[m] = decode(model, procs[m], prompt, p, vocab)
+                got[m] = decode(model, procs[m], prompt, p, vocab, prefixes[k])
             equal += got["awrs"][0] == got["mask"][0]
             n_tokens += len(got["awrs"][0])
             if temperature == 0.0:
@@ -282,10 +304,12 @@ def run_awrs(args) -> int:
         print(f"| {label} | {n_tokens} | {equal}/{len(schemas)} | {checks / max(rows, 1):.2f} | "
               f"{masks / max(rows, 1):.3f} | {per_tok:.0f} | {vocab} | "
               f"{vocab / max(per_tok, 1e-9):.0f}x |", flush=True)
-    del model
-    print("\n| vocab | batch | decoding | steps | mask ms a step, p50 (mean) | AWRS | "
-          "AWRS / mask (mean) | AWRS + check (mean) | check calls / token, AWRS | mask mode |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+    del model, prefixes
+    print("\n| vocab | batch | decoding | steps | evaluations / token, AWRS | "
+          "mask ms a step, p50 (mean) | AWRS | AWRS / mask (mean) | AWRS + check (mean) | "
+          "check calls / token, AWRS | mask mode |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+          flush=True)
     print_replay(procs, recorded, args.batch, eos, vocab, None)
     if args.vocab is not None:
         big = tiny_config(args.vocab, model_path)

@@ -518,14 +518,12 @@ def generate_with_processor(model: str, schemas: list, args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.awrs:
+    if args.awrs or args.awrs_engine:  # both: the replay first, then the engine
         from vllm_plugins.bench.grammar_awrs import run_awrs
-
-        return run_awrs(args)
-    if args.awrs_engine:
         from vllm_plugins.bench.grammar_awrs_engine import run_awrs_engine
 
-        return run_awrs_engine(args)
+        rc = run_awrs(args) if args.awrs else 0
+        return rc or (run_awrs_engine(args) if args.awrs_engine else 0)
     if args.modes:
         from vllm_plugins.bench.grammar_modes import run_modes
 
