@@ -22,7 +22,15 @@ so the first allowed winner is exactly the mask mode's token for that noise:
 the same distribution, and for a seeded request the same token (this module
 keeps a copy of the request's generator and draws from it what vLLM's
 sampler draws in a plain step, so vLLM's own draws stay as in the mask
-mode). Greedy is the race without noise (vLLM's ``greedy_sample``).
+mode). Greedy is the race without noise (vLLM's ``greedy_sample``). An
+unseeded row needs the distribution only: it is drawn by inverse CDF from
+one softmax over the step's unseeded rows (``awrs_draw.CdfDraw``), refused
+tokens taken out the same way, at a fraction of a vocabulary-wide race.
+
+Weights (``"weights": true``): each row also gives an unbiased estimate of
+its allowed mass (``RowChoice._estimate``: one more check, of the next draw);
+the logs of the committed rows' estimates add up to the request's weight,
+which sequential Monte Carlo over samples uses (docs/grammar.md).
 
 Truncation: ``top_k`` is kept exactly: a winner is in the mask mode's top-k
 when fewer than ``k`` allowed tokens outrank it, and the tokens above it are
@@ -40,14 +48,17 @@ position's token distributed as in the mask mode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from vllm_plugins.grammar.checks import check_function
-from vllm_plugins.grammar.spec import GRAMMAR_KEY, CompiledGrammar, GrammarSpecError
+from vllm_plugins.grammar.spec import (GRAMMAR_KEY, CompiledGrammar, GrammarSpecError,
+                                       RequestOptions)
 from vllm_plugins.tree.sampling import is_greedy
+
+from .awrs_choice import _NEG_INF, AwrsStats, RowChoice
+from .awrs_draw import argmax_rows, row_weights
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -56,26 +67,8 @@ if TYPE_CHECKING:
 
     from .grammar_state import GrammarRequest
 
-#: Refusals in one row before the whole mask is computed.
-MAX_REFUSALS = 8
-#: With top-k: the most tokens ranked above a drawn token that are checked
-#: to place it in the allowed top-k; beyond that the mask is computed.
-MAX_TOPK_SCAN = 256
-_NEG_INF = float("-inf")
-
-
-@dataclass
-class AwrsStats:
-    """Counts over a processor's lifetime (benchmarks read them)."""
-
-    rows: int = 0          # rows decided by AWRS
-    checks: int = 0        # single-token grammar checks (validate_tokens)
-    check_calls: int = 0   # calls of requests' token checks
-    masks: int = 0         # rows that computed the whole mask
-    mask_tokens: int = 0   # vocabulary entries those masks covered
-
-
-def validate_awrs(params: "SamplingParams", compiled: CompiledGrammar) -> None:
+def validate_awrs(params: "SamplingParams", compiled: CompiledGrammar,
+                  options: RequestOptions | None = None) -> None:
     """Refuse what AWRS cannot draw exactly (a ValueError fails only the request)."""
     if compiled.sampling != "awrs":
         return
@@ -86,17 +79,29 @@ def validate_awrs(params: "SamplingParams", compiled: CompiledGrammar) -> None:
             raise GrammarSpecError(
                 f"{where} cannot be combined with {name}={getattr(params, name)!r}: "
                 f"vLLM applies penalties after logits processors")
+    if options is not None and options.weights:
+        where = f'extra_args["{GRAMMAR_KEY}"]["weights"]'
+        if is_greedy(params):
+            raise GrammarSpecError(f"{where} needs random sampling (temperature > 0), got "
+                                   f"temperature={params.temperature}")
+        for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
+            value = getattr(params, name)
+            if value != neutral and not (name == "top_k" and value == -1):
+                raise GrammarSpecError(
+                    f"{where} cannot be combined with {name}={value!r}: a truncated "
+                    f"row's allowed mass is not the grammar's")
 
 
 class AwrsRequest:
     """One request's sampling settings, generator copy and check."""
 
     __slots__ = ("greedy", "temperature", "top_k", "top_p", "min_p", "seed", "gen",
-                 "check", "text", "decode", "_skip")
+                 "check", "text", "decode", "_skip", "weights")
 
     def __init__(self, params: "SamplingParams", check: Callable[[str, str], bool] | None,
                  vocab_size: int, n_output: int = 0,
-                 decode: Callable[[list[int]], bytes] | None = None) -> None:
+                 decode: Callable[[list[int]], bytes] | None = None,
+                 weights: bool = False) -> None:
         self.greedy = is_greedy(params)
         self.temperature = float(params.temperature)
         k = int(params.top_k or 0)
@@ -110,6 +115,7 @@ class AwrsRequest:
         self.check = check
         self.decode = decode  # token ids -> bytes (the check's text)
         self.text = b""  # the committed output's bytes, for the check
+        self.weights = weights  # estimate each step's allowed mass
 
     def advance(self, tokens: list[int]) -> None:
         """The request committed ``tokens``."""
@@ -139,209 +145,41 @@ class AwrsRequest:
         return q.exponential_(generator=gen) if gen is not None else q.exponential_()
 
     def noise(self, width: int, device: torch.device):
-        """This row's draw: from the request's generator copy when seeded."""
+        """A seeded row's draw, from the request's generator copy; None for
+        an unseeded row (drawn by :class:`CdfDraw` instead)."""
+        if self.seed is None:
+            return None
         return self._draw(self._generator(device, width), width, device)
 
 
-def race(work: torch.Tensor, noise: torch.Tensor | None) -> int:
-    """vLLM's draw from the (processed, masked) row ``work``: its greedy
-    argmax without noise, else the race winner for ``noise``."""
-    from vllm.v1.sample.sampler import Sampler
-
-    if noise is None:
-        return int(Sampler.greedy_sample(work[None])[0])
-    if noise.dtype == torch.long:  # CPU: Gumbel noise from a seed
-        return int(torch.ops._C.fused_gumbel_argmax(work[None], noise)[0])
-    probs = work.softmax(-1, dtype=torch.float32)
-    return int(probs.div_(noise).argmax())
-
-
-def race_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
-    """The greedy argmax of ``logits[rows]``, as vLLM's sampler takes it."""
-    if not rows:
-        return []
-    from vllm.v1.sample.sampler import Sampler
-
-    if rows == list(range(len(rows))):  # the leading rows: a view, no copy
-        return Sampler.greedy_sample(logits[:len(rows)]).tolist()
-    return Sampler.greedy_sample(logits[rows]).tolist()
-
-
-def truncate(row: torch.Tensor, areq: AwrsRequest) -> torch.Tensor:
-    """What vLLM's sampler does to a (masked, temperature-scaled) row after
-    the logits processors: min-p, then top-k and top-p with its own code."""
-    if areq.min_p > 0.0:  # vllm.v1.sample.logits_processor.builtin.MinPLogitsProcessor
-        probs = torch.nn.functional.softmax(row, dim=-1)
-        row = row.masked_fill(probs < probs.max() * areq.min_p, _NEG_INF)
-    if areq.top_k or areq.top_p < 1.0:
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
-
-        k = torch.tensor([areq.top_k], dtype=torch.int32) if areq.top_k else None
-        p = torch.tensor([areq.top_p], dtype=torch.float32) if areq.top_p < 1.0 else None
-        row = apply_top_k_top_p(row[None].clone(), k, p)[0]
-    return row
-
-
-class RowChoice:
-    """One row's decision: its matcher at the row's position, the text before it."""
-
-    def __init__(self, rt: "GrammarRuntime", req: "GrammarRequest", text: bytes,
-                 stats: AwrsStats) -> None:
-        self.rt, self.req, self.stats = rt, req, stats
-        self.areq: AwrsRequest = req.awrs
-        self.text = text
-        self.known: dict[int, bool] = {}
-        self._eos = {req.eos, rt.eos_token}
-        self.untouched = False  # the decision needs no write to the row
-        self._ff: bytes | None = None  # the bytes the grammar forces next
-        self._fft: list[int] | None = None  # their canonical tokens
-
-    def allowed(self, tok: int) -> bool:
-        ok = self.known.get(tok)
-        if ok is not None:
-            return ok
-        rt = self.rt
-        if tok >= rt.vocab_size:
-            ok = False
-        else:
-            self.stats.checks += 1
-            # The request's EOS is allowed wherever the tokenizer's is (apply_masks).
-            ok = self.req.matcher.validate_tokens(
-                [rt.eos_token if tok == self.req.eos else tok]) == 1
-            if ok and self._forced_prefix(tok):
-                ok = self._forced_tokens()[:1] == [tok]
-            if ok and self.areq.check is not None and tok not in self._eos:
-                ok = self._check(tok)
-        self.known[tok] = ok
-        return ok
-
-    def _forced_prefix(self, tok: int) -> bool:
-        """Whether ``tok`` spells a proper prefix of the bytes the grammar
-        forces next. llguidance's mask then allows only the first token of
-        the forced bytes' canonical tokenization, while ``validate_tokens``
-        accepts any prefix (e.g. "la" of a forced property name "latitude"):
-        the mask mode's rule, kept here (pinned in tests/test_awrs.py)."""
-        if self._ff is None:
-            self._ff = self.req.matcher.compute_ff_bytes()
-        if not self._ff:
-            return False
-        piece = self.rt.ll_tokenizer.decode_bytes([tok])
-        return len(piece) < len(self._ff) and self._ff.startswith(piece)
-
-    def _forced_tokens(self) -> list[int]:
-        if self._fft is None:
-            self._fft = self.req.matcher.compute_ff_tokens()
-        return self._fft
-
-    def _check(self, tok: int) -> bool:
-        self.stats.check_calls += 1
-        piece = self.rt.ll_tokenizer.decode_bytes([tok])
-        return bool(self.areq.check(self.text.decode("utf-8", "replace"),
-                                    piece.decode("utf-8", "replace")))
-
-    def in_top_k(self, tok: int, scaled: torch.Tensor) -> bool | None:
-        """Whether ``tok`` is in the allowed top-k; None: too costly to tell."""
-        k = self.areq.top_k
-        above = (scaled > scaled[tok]).nonzero().flatten()
-        if len(above) < k:
-            return True
-        if len(above) > MAX_TOPK_SCAN:
-            return None
-        order = above[scaled[above].argsort(descending=True)].tolist()
-        n = 0
-        for t in order:
-            if self.allowed(t):
-                n += 1
-                if n >= k:
-                    return False
-        return True
-
-    def choose(self, row: torch.Tensor, noise, first: int | None = None) -> int | None:
-        """The mask mode's token for this row and noise; None: nothing is
-        allowed. ``first``: the greedy argmax of ``row`` when the caller
-        took it for several rows in one call."""
-        areq = self.areq
-        self.stats.rows += 1
-        if areq.greedy:
-            scaled = row
-        else:  # vLLM's Sampler.apply_temperature
-            scaled = row / torch.tensor(areq.temperature, dtype=torch.float32,
-                                        device=row.device)
-        self.untouched = False
-        if not areq.truncated:
-            work = scaled  # copied at the first refusal (never the caller's row)
-            for n in range(MAX_REFUSALS + 1):
-                tok = first if n == 0 and first is not None else race(work, noise)
-                if float(work[tok]) == _NEG_INF:
-                    return None  # every token removed
-                ok = self.allowed(tok)
-                if ok and areq.top_k and not areq.greedy:
-                    ok = self.in_top_k(tok, scaled)
-                    if ok is None:
-                        break
-                if ok:
-                    # Greedy's first draw is the row's own argmax: vLLM
-                    # draws it again from the row as it is.
-                    self.untouched = areq.greedy and n == 0
-                    return tok
-                if n == 0:
-                    work = scaled.clone()
-                work[tok] = _NEG_INF
-        return self._masked(scaled, noise)
-
-    def _masked(self, scaled: torch.Tensor, noise) -> int | None:
-        """The fallback: the whole mask, then vLLM's own draw over it."""
-        rt, req = self.rt, self.req
-        width = scaled.shape[0]
-        self.stats.masks += 1
-        self.stats.mask_tokens += rt.vocab_size
-        words = _fill(rt, req.matcher)
-        banned = rt.banned_tokens(words, width, scaled.device)[0]
-        if req.eos != rt.eos_token and req.eos < width:
-            banned[req.eos] = banned[rt.eos_token]
-        if self.areq.check is not None:
-            for tok in (~banned).nonzero().flatten().tolist():
-                if tok not in self._eos:
-                    ok = self.known.get(tok)
-                    banned[tok] = not (self._check(tok) if ok is None else ok)
-        work = scaled.masked_fill(banned, _NEG_INF)
-        if not torch.isfinite(work).any():
-            return None
-        if not self.areq.greedy:
-            work = truncate(work, self.areq)
-        return race(work, noise)
-
-
 def new_awrs(params: "SamplingParams", compiled: CompiledGrammar, rt: "GrammarRuntime",
-             vocab_size: int, output: list[int] | None) -> AwrsRequest:
+             vocab_size: int, output: list[int] | None,
+             options: RequestOptions | None = None) -> AwrsRequest:
     """A request's AWRS state; ``output``: what it has generated already
     (a request resumed after preemption), consumed by its matcher later."""
     check = check_function(compiled.check) if compiled.check else None
-    return AwrsRequest(params, check, vocab_size, len(output or ()),
-                       rt.ll_tokenizer.decode_bytes)
-
-
-_BITMASK: dict[int, torch.Tensor] = {}
-
-
-def _fill(rt: "GrammarRuntime", matcher) -> torch.Tensor:
-    """The matcher's next-token bitmask in a buffer of this module's (the
-    runtime's is indexed by the batch's rows, which the processor fills)."""
-    import llguidance.torch as llg_torch
-
-    buf = _BITMASK.get(rt.vocab_size)
-    if buf is None:
-        buf = _BITMASK[rt.vocab_size] = llg_torch.allocate_token_bitmask(1, rt.vocab_size)
-    llg_torch.fill_next_token_bitmask(matcher, buf, 0)
-    return buf
+    options = options or RequestOptions()
+    areq = AwrsRequest(params, check, vocab_size, len(output or ()),
+                       rt.ll_tokenizer.decode_bytes, options.weights)
+    if check is not None and options.continue_tokens:
+        areq.text = rt.ll_tokenizer.decode_bytes(list(options.continue_tokens))
+    return areq
 
 
 def one_hot(logits: torch.Tensor, rows: list[int], toks: list[int]) -> None:
-    """Rows that let only their chosen token through."""
-    if rows:
-        from vllm_plugins.grammar.runtime import GrammarRuntime
+    """Rows that let only their chosen token through (on the CPU through
+    numpy: a row's fill there is a memset, torch's index_fill_ several times it)."""
+    if not rows:
+        return
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        table = logits.detach().numpy()
+        for row, tok in zip(rows, toks):
+            table[row].fill(_NEG_INF)
+            table[row, tok] = 0.0
+        return
+    from vllm_plugins.grammar.runtime import GrammarRuntime
 
-        GrammarRuntime.force_token(logits, rows, toks)
+    GrammarRuntime.force_token(logits, rows, toks)
 
 
 class AwrsRows:
@@ -351,7 +189,8 @@ class AwrsRows:
     awrs_stats: AwrsStats
 
     def _awrs_request(self, req: "GrammarRequest", compiled: CompiledGrammar,
-                      params: "SamplingParams", output: list[int] | None) -> None:
+                      params: "SamplingParams", output: list[int] | None,
+                      options: RequestOptions | None = None) -> None:
         """Give ``req`` its AWRS state (V1 runner); on V2 it is masked
         plainly, and a request with a check (which no mask applies) fails."""
         if self._v2:
@@ -361,7 +200,8 @@ class AwrsRows:
                 req.fail("a token check needs vLLM's V1 model runner")
             return
         try:
-            req.awrs = new_awrs(params, compiled, self._runtime, self._vocab_size, output)
+            req.awrs = new_awrs(params, compiled, self._runtime, self._vocab_size, output,
+                                options)
         except ValueError as e:  # the check is no longer installed here
             req.fail(str(e))
 
@@ -369,17 +209,46 @@ class AwrsRows:
         return (req.awrs is not None and self._runtime is not None
                 and not req.must_stop)
 
+    def take_awrs_weights(self) -> dict[int, list[float]]:
+        """Batch index -> the log weights of this step's rows of each request
+        with ``"weights": true``, by position (row j: after j drafts), up to
+        the first position without one. The bridge adds those of the tokens
+        the step commits to the request's total (``bridge.grammar_weights``)."""
+        taken, self._awrs_weights = getattr(self, "_awrs_weights", {}), {}
+        out = {}
+        for index, by_pos in taken.items():
+            ws = []
+            while len(ws) in by_pos:
+                ws.append(by_pos[len(ws)])
+            out[index] = ws
+        return out
+
+    def _awrs_weigh(self, index: int, pos: int, log_weight: float | None) -> None:
+        if log_weight is not None:
+            if not hasattr(self, "_awrs_weights"):
+                self._awrs_weights = {}
+            self._awrs_weights.setdefault(index, {})[pos] = log_weight
+
+    def _awrs_stop_weight(self, req: "GrammarRequest", row_logits: torch.Tensor) -> float | None:
+        """A weighted request whose grammar has ended: EOS is forced, and the
+        row's allowed mass is EOS's, exactly."""
+        areq = req.awrs
+        if areq is None or not areq.weights or req.failed or not req.matcher.is_stopped():
+            return None
+        lp = float(torch.log_softmax(row_logits / areq.temperature, -1)[req.eos])
+        return lp
+
     def _awrs_fail(self, req: "GrammarRequest", why: str) -> None:
         req.fail(why)
         self._log_once(f"awrs:{why}", "grammar request failed: %s", why)
 
     def _awrs_decide(self, choice: RowChoice, row_logits: torch.Tensor,
-                     first: int | None = None) -> int | None:
+                     first: int | None = None, draw=None) -> int | None:
         req = choice.req
         try:
             noise = None if choice.areq.greedy else choice.areq.noise(
                 row_logits.shape[0], row_logits.device)
-            tok = choice.choose(row_logits, noise, first)
+            tok = choice.choose(row_logits, noise, first, draw)
         except Exception as e:  # noqa: BLE001 - a failing check fails its request only
             self._awrs_fail(req, f"token check {choice.areq.check!r} raised "
                                  f"{type(e).__name__}: {e}")
@@ -392,21 +261,32 @@ class AwrsRows:
                     reqs: list["GrammarRequest"]) -> tuple[list[int], list["GrammarRequest"]]:
         """Decide the AWRS requests' plain rows; return the other rows."""
         rest_rows, rest_reqs, hot_rows, hot_toks = [], [], [], []
-        # The greedy rows' argmax in one call (a call per row costs several times more).
-        greedy = [row for row, req in zip(rows, reqs)
-                  if self._awrs_ready(req) and req.awrs.greedy and not req.awrs.truncated]
-        firsts = dict(zip(greedy, race_rows(logits, greedy)))
+        # The greedy rows' argmax, and the unseeded rows' softmax, in one call
+        # each (a call per row costs several times more).
+        ready = [(row, req) for row, req in zip(rows, reqs) if self._awrs_ready(req)
+                 and not req.awrs.truncated]
+        greedy = [row for row, req in ready if req.awrs.greedy]
+        firsts = dict(zip(greedy, argmax_rows(logits, greedy)))
+        unseeded = [(row, req.awrs.temperature) for row, req in ready
+                    if not req.awrs.greedy and req.awrs.seed is None]
+        draws = {}
+        if unseeded:
+            draws = dict(zip([r for r, _ in unseeded], row_weights(
+                logits, [r for r, _ in unseeded], [t for _, t in unseeded])))
         for row, req in zip(rows, reqs):
             if not self._awrs_ready(req):
+                self._awrs_weigh(row, 0, self._awrs_stop_weight(req, logits[row]))
                 rest_rows.append(row)
                 rest_reqs.append(req)
                 continue
             choice = RowChoice(self._runtime, req, req.awrs.text, self.awrs_stats)
-            tok = self._awrs_decide(choice, logits[row], firsts.get(row))
+            tok = self._awrs_decide(choice, logits[row], firsts.get(row), draws.get(row))
             if tok is None:  # failed: the mask path forces its failure text
                 rest_rows.append(row)
                 rest_reqs.append(req)
-            elif not choice.untouched:
+                continue
+            self._awrs_weigh(row, 0, choice.log_weight)
+            if not choice.untouched:
                 hot_rows.append(row)
                 hot_toks.append(tok)
         one_hot(logits, hot_rows, hot_toks)
@@ -420,10 +300,12 @@ class AwrsRows:
         draft the grammar refuses take EOS (never used). Returns the rest."""
         rest, hot_rows, hot_toks = [], [], []
         rt = self._runtime
+        index_of = {id(r): i for i, r in self._reqs.items()}
         for req, draft, rows in plan:
             if not self._awrs_ready(req):
                 rest.append((req, draft, rows))
                 continue
+            index = index_of.get(id(req), -1)
             m = req.matcher
             n_ok = 0
             text = req.awrs.text
@@ -440,11 +322,14 @@ class AwrsRows:
                 if row is None:
                     continue
                 if m.is_stopped():
+                    self._awrs_weigh(index, j, self._awrs_stop_weight(req, logits[row]))
                     hot_rows.append(row)
                     hot_toks.append(req.eos)
                     continue
                 choice = RowChoice(rt, req, text, self.awrs_stats)
                 tok = self._awrs_decide(choice, logits[row])
+                if tok is not None:
+                    self._awrs_weigh(index, j, choice.log_weight)
                 if tok is None or not choice.untouched:
                     hot_rows.append(row)
                     hot_toks.append(req.eos if tok is None else tok)

@@ -239,7 +239,7 @@ def exact_first_token(rt, grammar, row, temperature):
     return torch.softmax((row / temperature).masked_fill(~ok, float("-inf")), 0)
 
 
-@pytest.mark.parametrize("noise", ["gumbel", "exponential"])
+@pytest.mark.parametrize("noise", ["gumbel", "exponential", "cdf"])
 def test_unseeded_draws_follow_the_masked_distribution(rt, noise):
     """Chi-square against the mask mode's exact distribution; the control
     (draws without the refusal loop's removal: the unmasked distribution
@@ -262,7 +262,8 @@ def test_unseeded_draws_follow_the_masked_distribution(rt, noise):
             stats = awrs.AwrsStats()
             choice = awrs.RowChoice(rt, req, b"", stats)
             q = (torch.randint(0, 2**31, (1,), dtype=torch.long) if noise == "gumbel" else
-                 torch.empty(V).exponential_())
+                 torch.empty(V).exponential_() if noise == "exponential" else
+                 None)  # an unseeded row: the inverse-CDF draw
             counts[choice.choose(row.clone(), q)] += 1
         return [counts[t] for t in range(V)]
 

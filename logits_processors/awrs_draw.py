@@ -1,0 +1,173 @@
+"""The draws behind ``"sampling": "awrs"``: vLLM's own race for greedy and
+seeded rows, an inverse-CDF draw for unseeded ones.
+
+Why two: a seeded request must give the mask mode's very tokens, so its
+row replays the noise vLLM's sampler draws from the request's generator (a
+vocabulary-wide pass of noise, as costly as vLLM's own draw). An unseeded
+row only needs the mask mode's distribution: exp over the row, block sums,
+a uniform and two short searches find the token; a refusal takes the
+token's mass out of its block and draws again. Both take refused tokens out
+and draw again, so the first allowed token is distributed as the masked
+row's (for the race, it is the masked race's winner for the same noise).
+
+On the CPU the rows are read through numpy, into buffers kept between
+steps: numpy's reductions over one row take microseconds where torch's
+take tens, and fresh vocabulary-sized tensors fault in new pages each step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+#: Tokens per block of the inverse-CDF search.
+BLOCK = 256
+
+
+def race(work: torch.Tensor, noise: torch.Tensor | None) -> int:
+    """vLLM's draw from the (processed, masked) row ``work``: its greedy
+    argmax without noise, else the race winner for ``noise``."""
+    from vllm.v1.sample.sampler import Sampler
+
+    if noise is None:
+        if work.device.type == "cpu":  # the same index (argmax_rows), far faster
+            return int(work.detach().float().numpy().argmax())
+        return int(Sampler.greedy_sample(work[None])[0])
+    if noise.dtype == torch.long:  # CPU: Gumbel noise from a seed
+        return int(torch.ops._C.fused_gumbel_argmax(work[None], noise)[0])
+    probs = work.softmax(-1, dtype=torch.float32)
+    return int(probs.div_(noise).argmax())
+
+
+def argmax_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
+    """vLLM's greedy token of each of ``logits[rows]``: the first maximum,
+    the first NaN (as its ``greedy_argmax`` and ``argmax``; pinned in
+    tests/test_awrs.py). On the CPU numpy's argmax, ~3 us a row."""
+    if not rows:
+        return []
+    if logits.device.type == "cpu":
+        table = logits.detach().numpy()
+        return [int(table[r].argmax()) for r in rows]
+    from vllm.v1.sample.sampler import Sampler
+
+    return Sampler.greedy_sample(logits[rows]).tolist()
+
+
+_BUFFERS: dict[tuple[int, bool], np.ndarray] = {}
+
+
+def _buffer(n: int, width: int, single: bool) -> np.ndarray:
+    """A float32 [n, width] scratch array, reused between steps (one for
+    the step's rows, one for single rows drawn meanwhile)."""
+    buf = _BUFFERS.get((width, single))
+    if buf is None or buf.shape[0] < n:
+        buf = _BUFFERS[(width, single)] = np.empty((max(n, 16), width), dtype=np.float32)
+    return buf[:n]
+
+
+def step_rng() -> np.random.Generator:
+    """A numpy generator seeded from torch's global one: every rank draws
+    the same seed (vLLM seeds torch alike on all ranks), and numpy's draws
+    cost a fraction of a microsecond where ``torch.rand`` costs several."""
+    return np.random.default_rng(int(torch.randint(0, 2**62, ())))
+
+
+def row_weights(logits: torch.Tensor, rows: list[int], temperatures: list[float],
+                single: bool = False) -> list["CdfDraw"]:
+    """An inverse-CDF draw for each of ``logits[rows]`` at its temperature:
+    exp((row - max) / T) and its block sums, in one pass over the step's
+    rows. The draws read a buffer the next call overwrites."""
+    v = logits.shape[1]
+    width = -(-v // BLOCK) * BLOCK
+    buf = _buffer(len(rows), width, single)
+    table = logits.detach().float().cpu().numpy()
+    for i, (r, t) in enumerate(zip(rows, temperatures)):
+        row = table[r]
+        np.subtract(row, row.max(), out=buf[i, :v])
+        if t != 1.0:
+            np.multiply(buf[i, :v], np.float32(1.0 / t), out=buf[i, :v])
+    np.exp(buf, out=buf)
+    buf[:, v:] = 0.0
+    sums = (buf.reshape(-1, BLOCK) @ _ones()).reshape(len(rows), -1).astype(np.float64)
+    rng = step_rng()
+    return [CdfDraw(buf[i], sums[i], rng) for i in range(len(rows))]
+
+
+def _ones() -> np.ndarray:
+    ones = _BUFFERS.get((BLOCK, "ones"))
+    if ones is None:
+        ones = _BUFFERS[(BLOCK, "ones")] = np.ones(BLOCK, dtype=np.float32)
+    return ones
+
+
+def row_draw(scaled: torch.Tensor) -> "CdfDraw":
+    """An inverse-CDF draw from one temperature-scaled row (any device)."""
+    return row_weights(scaled[None], [0], [1.0], single=True)[0]
+
+
+class CdfDraw:
+    """Draws from one row's unnormalised weights without replacement: a
+    uniform times the remaining mass, searched over block sums, then within
+    the block. The weights and sums are this object's to change (refused
+    tokens are zeroed)."""
+
+    __slots__ = ("weights", "blocks", "total", "initial", "rng", "_cum")
+
+    def __init__(self, weights: np.ndarray, blocks: np.ndarray,
+                 rng: np.random.Generator | None = None) -> None:
+        self.weights = weights
+        self.blocks = blocks
+        self.total = float(blocks.sum())
+        self.initial = self.total
+        self.rng = rng
+        self._cum: np.ndarray | None = None  # cumsum of blocks, until a removal
+
+    def _uniform(self) -> float:
+        if self.rng is None:  # torch's generator: as every rank's
+            self.rng = step_rng()
+        return float(self.rng.random())
+
+    def draw(self) -> int | None:
+        """A token with chance weight / remaining mass; None: none is left."""
+        if self.total <= 0.0:
+            return None
+        u = self._uniform() * self.total
+        cum = self._cum
+        if cum is None:
+            cum = self._cum = np.cumsum(self.blocks)
+        b = min(int(np.searchsorted(cum, u, side="right")), len(cum) - 1)
+        while b > 0 and self.blocks[b] <= 0.0:  # rounding past the last block with mass
+            b -= 1
+        u -= float(cum[b - 1]) if b else 0.0
+        start = b * BLOCK
+        inner = self.weights[start:start + BLOCK]
+        icum = np.cumsum(inner, dtype=np.float64)
+        i = int(np.searchsorted(icum, u, side="right"))
+        if i >= len(inner):  # rounding past the block's end: its last token with mass
+            nz = np.flatnonzero(inner > 0.0)
+            if not len(nz):
+                return None
+            i = int(nz[-1])
+        return start + i
+
+    def p(self, tok: int) -> float:
+        """The token's share of the whole row (0 once removed)."""
+        return float(self.weights[tok]) / self.initial
+
+    def remove(self, tok: int) -> float:
+        """Take ``tok`` out of the draws; returns its weight."""
+        w = float(self.weights[tok])
+        if w > 0.0:
+            self.weights[tok] = 0.0
+            self.blocks[tok // BLOCK] = max(self.blocks[tok // BLOCK] - w, 0.0)
+            self.total = max(self.total - w, 0.0)
+            self._cum = None
+        return w
+
+    def restore(self, tok: int, w: float) -> None:
+        """Undo :meth:`remove` (a token taken out for the weight's second draw)."""
+        if w > 0.0:
+            self.weights[tok] = w
+            self.blocks[tok // BLOCK] += w
+            self.total += w
+            self._cum = None
