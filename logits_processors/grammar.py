@@ -77,6 +77,7 @@ from vllm_plugins.grammar.spec import (
     GrammarSpecError,
     compile_grammar_request,
     grammar_request,
+    request_options,
     validate_grammar_request,
 )
 from vllm_plugins.proposers.sources.request import validate_speculation
@@ -164,7 +165,8 @@ class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2Logit
             raise GrammarSpecError(
                 f'give either extra_args["{GRAMMAR_KEY}"] or structured_outputs, not both'
             )
-        validate_awrs(sampling_params, compiled)
+        validate_awrs(sampling_params, compiled,
+                      request_options(grammar_request(sampling_params.extra_args)))
         if compiled.aligned and is_greedy(sampling_params):
             raise GrammarSpecError(
                 f'extra_args["{GRAMMAR_KEY}"]["aligned"] needs random sampling '
@@ -244,10 +246,12 @@ class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2Logit
             req.failed = matcher.get_error() or "the grammar's matcher failed"
             return req
         req = GrammarRequest(matcher, output, eos)
+        options = request_options(raw)
+        req.start_after(options.continue_tokens)
         if compiled.aligned:
             req.asap = self._asap_cursor(compiled, params, prompt, eos, rt.eos_token)
         if compiled.sampling == "awrs":
-            self._awrs_request(req, compiled, params, output)
+            self._awrs_request(req, compiled, params, output, options)
         return req
 
     def _asap_cursor(self, compiled: CompiledGrammar, params: "SamplingParams",

@@ -63,6 +63,13 @@ class GrammarRequest:
         if self.awrs is not None and not self.failed:
             self.awrs.advance(tokens)
 
+    def start_after(self, tokens: tuple[int, ...]) -> None:
+        """``"continue_tokens"``: the output continues these tokens (the
+        prompt ends with them), so the grammar starts after them."""
+        if tokens and not self.failed and not self.matcher.consume_tokens(list(tokens)):
+            self.fail(f'"continue_tokens" do not follow the grammar: '
+                      f"{self.matcher.get_error() or 'a token is refused'}")
+
     def advance_v1(self) -> bool:
         """Consume output tokens not yet seen; False if some are still placeholders."""
         out = self.output

@@ -35,6 +35,14 @@ settings::
                                   # needs "sampling": "awrs". With a check
                                   # the grammar key may be left out (any
                                   # text)
+    "weights": bool               # needs "sampling": "awrs" and plain
+                                  # random sampling. True: the output
+                                  # carries the summed log of each step's
+                                  # estimated allowed mass (docs/grammar.md,
+                                  # "Weights and SMC")
+    "continue_tokens": [int, ...] # token ids the output already holds (the
+                                  # prompt ends with them): the grammar and
+                                  # the check start after them
 
 This module imports neither torch nor vLLM: the frontend process runs
 :func:`validate_grammar_request` once per request (through
@@ -67,7 +75,12 @@ OPTION_KINDS = {
     "aligned": GRAMMAR_KINDS,
     "sampling": GRAMMAR_KINDS,
     "check": GRAMMAR_KINDS,
+    "weights": GRAMMAR_KINDS,
+    "continue_tokens": GRAMMAR_KINDS,
 }
+#: Options that differ between requests of one grammar: left out of the
+#: compiled grammar (and its cache key), read by :func:`request_options`.
+PER_REQUEST_OPTIONS = ("weights", "continue_tokens")
 #: Values of the ``"sampling"`` option.
 SAMPLING_MODES = ("mask", "awrs")
 #: The language of a request that gives a ``"check"`` and no grammar key.
@@ -99,6 +112,55 @@ class CompiledGrammar:
     sampling: str = "mask"
     #: ``"check"``: the name of a registered token check (``grammar.checks``).
     check: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A request's own options (:data:`PER_REQUEST_OPTIONS`)."""
+
+    weights: bool = False
+    continue_tokens: tuple[int, ...] = ()
+
+
+def _as_dict(raw: Any) -> Any:
+    """The spec as a dict when it is one or its JSON text; else as given."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, RecursionError):
+            return raw
+    return raw
+
+
+def request_options(raw: Any) -> RequestOptions:
+    """The request's own options, validated (a GrammarSpecError names the bad one)."""
+    raw = _as_dict(raw)
+    if not isinstance(raw, dict) or not any(k in raw for k in PER_REQUEST_OPTIONS):
+        return RequestOptions()
+    weights = raw.get("weights", False)
+    if not isinstance(weights, bool):
+        raise GrammarSpecError(f'{_WHERE}["weights"] must be true or false, got {weights!r:.80}')
+    if weights and raw.get("sampling") != "awrs":
+        raise GrammarSpecError(f'{_WHERE}["weights"] needs "sampling": "awrs" (the weights '
+                               f"are AWRS's estimates of each step's allowed mass)")
+    cont = raw.get("continue_tokens", [])
+    if (not isinstance(cont, list) or len(cont) > 1 << 20
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                       for t in cont)):
+        raise GrammarSpecError(f'{_WHERE}["continue_tokens"] must be a list of token ids '
+                               f"(non-negative integers), got {cont!r:.80}")
+    if cont and raw.get("aligned"):
+        raise GrammarSpecError(f'{_WHERE}["continue_tokens"] cannot be combined with '
+                               f'"aligned": true (ASAp learns whole outputs from their start)')
+    return RequestOptions(weights, tuple(cont))
+
+
+def _shared_part(raw: Any) -> Any:
+    """The spec without the per-request options (what compiles and is cached)."""
+    spec = _as_dict(raw)
+    if isinstance(spec, dict) and any(k in spec for k in PER_REQUEST_OPTIONS):
+        return {k: v for k, v in spec.items() if k not in PER_REQUEST_OPTIONS}
+    return raw
 
 
 def grammar_request(extra_args: dict[str, Any] | None) -> Any | None:
@@ -332,6 +394,7 @@ def compile_grammar_request(raw: Any) -> CompiledGrammar:
     """
     from .compile_cache import on_deep_stack  # llguidance recursion: see there
 
+    raw = _shared_part(raw)
     result = _COMPILED.get_or(_cache_key(raw),
                               lambda: on_deep_stack(lambda: _compile_uncached(raw)))
     if isinstance(result, GrammarSpecError):
@@ -346,4 +409,6 @@ def validate_grammar_request(extra_args: dict[str, Any] | None) -> CompiledGramm
         if extra_args and GRAMMAR_KEY in extra_args:
             raise GrammarSpecError(f"{_WHERE} is null; leave the key out instead")
         return None
-    return compile_grammar_request(raw)
+    compiled = compile_grammar_request(raw)
+    request_options(raw)
+    return compiled
