@@ -84,6 +84,9 @@ def validate_awrs(params: "SamplingParams", compiled: CompiledGrammar,
         if is_greedy(params):
             raise GrammarSpecError(f"{where} needs random sampling (temperature > 0), got "
                                    f"temperature={params.temperature}")
+        if params.n > 1:
+            raise GrammarSpecError(f"{where} needs n=1 (a weight belongs to one output; "
+                                   f"send one request per sample), got n={params.n}")
         for name, neutral in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)):
             value = getattr(params, name)
             if value != neutral and not (name == "top_k" and value == -1):

@@ -163,6 +163,7 @@ def test_continue_tokens_start_the_grammar_after_them(vllm_config, lm, tokenizer
      "needs random sampling"),
     ({"regex": "a", "sampling": "awrs", "weights": True}, {"top_p": 0.9}, "top_p=0.9"),
     ({"regex": "a", "sampling": "awrs", "weights": True}, {"top_k": 5}, "top_k=5"),
+    ({"regex": "a", "sampling": "awrs", "weights": True}, {"n": 2}, "needs n=1"),
     ({"regex": "a", "continue_tokens": [1, -2]}, {}, "must be a list of token ids"),
     ({"regex": "a", "continue_tokens": "12"}, {}, "must be a list of token ids"),
     ({"regex": "a", "aligned": True, "continue_tokens": [3]}, {}, "cannot be combined"),
@@ -178,3 +179,31 @@ def test_per_request_options_leave_the_compiled_grammar_shared():
                                               "weights": True, "continue_tokens": [1]}})
     b = validate_grammar_request({"grammar": {"regex": "a+", "sampling": "awrs"}})
     assert a is b
+
+
+def test_the_scheduler_adds_the_weights_of_committed_rows_only():
+    """Under speculation a step weighs every candidate position; the
+    request's total takes the first n, n being the tokens it gained, and
+    its finished output carries the total beside a connector's own keys."""
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge import grammar_weights as gw
+
+    req = SimpleNamespace(num_output_tokens=5)
+    sched = SimpleNamespace(requests={"r": req})
+    step = SimpleNamespace(**{gw.WEIGHTS_ATTR: {"r": [-0.5, -0.25, -4.0, -8.0]}})
+    seen = gw.before_update(sched, step)
+    req.num_output_tokens = 7  # two drafts' rows committed: positions 0 and 1
+    out = SimpleNamespace(request_id="r", finish_reason=None, kv_transfer_params=None)
+    gw.after_update(sched, step, seen, {0: SimpleNamespace(outputs=[out])})
+    assert out.kv_transfer_params is None
+    seen = gw.before_update(sched, SimpleNamespace(**{gw.WEIGHTS_ATTR: {"r": [-1.0]}}))
+    req.num_output_tokens = 8
+    out.finish_reason = "stop"
+    out.kv_transfer_params = {"do_remote_decode": False}
+    gw.after_update(sched, SimpleNamespace(**{gw.WEIGHTS_ATTR: {"r": [-1.0]}}), seen,
+                    {0: SimpleNamespace(outputs=[out])})
+    assert out.kv_transfer_params == {
+        "do_remote_decode": False,
+        gw.OUTPUT_KEY: {"awrs_log_weight": -1.75, "awrs_tokens": 3}}
+    assert not getattr(sched, gw.TOTALS_ATTR)  # handed out, forgotten

@@ -40,10 +40,10 @@ VLLM_EXCEPTIONS = {
         "the method is vLLM's own n-gram lookup under our draft-length policy; "
         "the function is pinned (tests/test_bridge_pins.py::test_ngram_lookup_function) "
         "and listed in the bridge's RELIED_ON",
-    ("vllm_plugins.logits_processors.awrs", "vllm.v1.sample.sampler"):
+    ("vllm_plugins.logits_processors.awrs_draw", "vllm.v1.sample.sampler"):
         "AWRS replays the sampler's draw of a row (greedy_sample); pinned by "
         "tests/test_bridge_pins_processors.py::test_sampler_draws_as_awrs_replays_them",
-    ("vllm_plugins.logits_processors.awrs", "vllm.v1.sample.ops.topk_topp_sampler"):
+    ("vllm_plugins.logits_processors.awrs_choice", "vllm.v1.sample.ops.topk_topp_sampler"):
         "AWRS applies vLLM's own top-k / top-p to a masked row; same pin",
 }
 

@@ -42,6 +42,8 @@ import logging
 import os
 from typing import Any
 
+from . import grammar_weights
+
 logger = logging.getLogger("vllm_plugins")
 
 #: "0" compiles each grammar inside the engine step that first schedules its
@@ -245,8 +247,9 @@ def wrap_sample_tokens(original):
     def sample_tokens(self, grammar_output):
         out = original(self, grammar_output)
         errors = _take_matcher_errors(self.input_batch)
-        if errors:
-            _attach(out, errors)
+        weights = grammar_weights.take_weights(self.input_batch)
+        if errors or weights:
+            _attach(out, {ERRORS_ATTR: errors, grammar_weights.WEIGHTS_ATTR: weights})
         return out
 
     return sample_tokens
@@ -268,24 +271,27 @@ def _take_matcher_errors(input_batch: Any) -> dict[str, str]:
     return errors
 
 
-def _attach(out: Any, errors: dict[str, str]) -> None:
+def _attach(out: Any, reports: dict[str, dict]) -> None:
+    """Merge each {attribute: {request id: value}} into the step's output."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
     if isinstance(out, ModelRunnerOutput):
         if out is EMPTY_MODEL_RUNNER_OUTPUT:
-            return  # nothing was sampled: no request of this step to end
-        setattr(out, ERRORS_ATTR, {**getattr(out, ERRORS_ATTR, {}), **errors})
+            return  # nothing was sampled: no request of this step to report
+        for attr, values in reports.items():
+            if values:
+                setattr(out, attr, {**getattr(out, attr, {}), **values})
         return
     get_output = getattr(out, "get_output", None)
     if get_output is None:
         return  # intermediate tensors (pipeline parallel): not the output rank
 
-    def get_output_with_errors():
+    def get_output_with_reports():
         result = get_output()
-        _attach(result, errors)
+        _attach(result, reports)
         return result
 
-    out.get_output = get_output_with_errors
+    out.get_output = get_output_with_reports
 
 
 def wrap_update_from_output(original):
@@ -294,12 +300,17 @@ def wrap_update_from_output(original):
     # grammar_compile_error_reqs are finished with FINISHED_ERROR and get an
     # output with that finish reason; an empty sampled-token list leaves a
     # running request unchanged (as for a prefill chunk).
+    # The AWRS weights of the step's committed tokens are added after it
+    # (grammar_weights).
     @functools.wraps(original)
     def update_from_output(self, scheduler_output, model_runner_output):
         errors = getattr(model_runner_output, ERRORS_ATTR, None)
         if errors:
             end_on_matcher_errors(self, model_runner_output, errors)
-        return original(self, scheduler_output, model_runner_output)
+        weighed = grammar_weights.before_update(self, model_runner_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        grammar_weights.after_update(self, model_runner_output, weighed, outputs)
+        return outputs
 
     return update_from_output
 

@@ -155,12 +155,13 @@ PATCHES: tuple[Patch, ...] = (
           _PROCESSOR_PINS + "test_scheduler_output_reaches_every_worker_with_held_specs",
           grammar_hold.wrap_worker_execute_model, when=grammar_hold.hold_enabled),
     Patch("grammar.report_matcher_errors", _RUNNER + ".sample_tokens",
-          "the step's output names the requests whose grammar failed in it",
+          "the step's output names the requests whose grammar failed in it, "
+          "and carries AWRS requests' weights (bridge.grammar_weights)",
           _PROCESSOR_PINS + "test_runner_output_carries_matcher_errors",
           grammar_hold.wrap_sample_tokens),
     Patch("grammar.end_on_matcher_errors", _SCHEDULER + ".update_from_output",
           "a request whose grammar failed ends with finish reason error, "
-          "not a silent stop",
+          "not a silent stop; an AWRS request's weights add up and reach its output",
           _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_update_from_output),
     Patch("cpu.expand_batch_to_tokens",
@@ -213,6 +214,10 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.v1.sample.ops.topk_topp_sampler:apply_top_k_top_p",
     "vllm.sampling_params:_SAMPLING_EPS",
     "vllm.v1.worker.block_table:BlockTable.compute_slot_mapping",
+    # AWRS weights reach the output (bridge/grammar_weights.py;
+    # tests/test_asap_e2e.py::test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution).
+    "vllm.v1.request:Request.num_output_tokens",
+    "vllm.v1.engine:EngineCoreOutput",
     "vllm.distributed.parallel_state:GroupCoordinator.first_rank",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadata",
