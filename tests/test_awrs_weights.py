@@ -207,3 +207,14 @@ def test_the_scheduler_adds_the_weights_of_committed_rows_only():
         "do_remote_decode": False,
         gw.OUTPUT_KEY: {"awrs_log_weight": -1.75, "awrs_tokens": 3}}
     assert not getattr(sched, gw.TOTALS_ATTR)  # handed out, forgotten
+
+
+def test_the_documented_smc_loop_is_the_tested_one():
+    """docs/grammar.md shows tests/smc_example.py whole: the loop a reader
+    copies is the one tests/test_asap_e2e.py runs through an engine."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "grammar.md").read_text()
+    block = doc.split("(`tests/smc_example.py`):\n\n```python\n", 1)[1].split("```", 1)[0]
+    assert block == (root / "tests" / "smc_example.py").read_text()
