@@ -99,7 +99,7 @@ class AwrsRequest:
     """One request's sampling settings, generator copy and check."""
 
     __slots__ = ("greedy", "temperature", "top_k", "top_p", "min_p", "seed", "gen",
-                 "check", "text", "decode", "_skip", "weights")
+                 "check", "text", "decode", "_skip", "weights", "logprobs")
 
     def __init__(self, params: "SamplingParams", check: Callable[[str, str], bool] | None,
                  vocab_size: int, n_output: int = 0,
@@ -119,6 +119,14 @@ class AwrsRequest:
         self.decode = decode  # token ids -> bytes (the check's text)
         self.text = b""  # the committed output's bytes, for the check
         self.weights = weights  # estimate each step's allowed mass
+        self.logprobs = params.logprobs is not None  # vLLM reports the drawn token's
+
+    @property
+    def after_sample(self) -> bool:
+        """An unseeded row vLLM's own draw can serve: no truncation, no
+        weights, no logprobs of the drawn token (:meth:`AwrsRows.awrs_after_sample`)."""
+        return not (self.greedy or self.seed is not None or self.truncated or self.top_k
+                    or self.weights or self.logprobs)
 
     def advance(self, tokens: list[int]) -> None:
         """The request committed ``tokens``."""
@@ -190,6 +198,12 @@ class AwrsRows:
     plain (:meth:`_awrs_plain`) and drafted (:meth:`_awrs_positions`)."""
 
     awrs_stats: AwrsStats
+    #: Set by the model runner's ``_sample`` wrapper (the bridge), which then
+    #: calls :meth:`awrs_after_sample` with vLLM's draw: plain unseeded rows
+    #: are left to that draw and checked after it, so the processor never
+    #: draws them itself (vLLM's draw is the first draw of the loop).
+    awrs_defer: bool = False
+    _awrs_deferred: list = []
 
     def _awrs_request(self, req: "GrammarRequest", compiled: CompiledGrammar,
                       params: "SamplingParams", output: list[int] | None,
@@ -266,8 +280,13 @@ class AwrsRows:
         rest_rows, rest_reqs, hot_rows, hot_toks = [], [], [], []
         # The greedy rows' argmax, and the unseeded rows' softmax, in one call
         # each (a call per row costs several times more).
+        self._awrs_deferred, self._awrs_logits = [], logits
         ready = [(row, req) for row, req in zip(rows, reqs) if self._awrs_ready(req)
                  and not req.awrs.truncated]
+        if self.awrs_defer:
+            self._awrs_deferred = [(row, req) for row, req in ready if req.awrs.after_sample]
+            deferred = {row for row, _ in self._awrs_deferred}
+            ready = [(row, req) for row, req in ready if row not in deferred]
         greedy = [row for row, req in ready if req.awrs.greedy]
         firsts = dict(zip(greedy, argmax_rows(logits, greedy)))
         unseeded = [(row, req.awrs.temperature) for row, req in ready
@@ -276,11 +295,14 @@ class AwrsRows:
         if unseeded:
             draws = dict(zip([r for r, _ in unseeded], row_weights(
                 logits, [r for r, _ in unseeded], [t for _, t in unseeded])))
+        deferred = {row for row, _ in self._awrs_deferred}
         for row, req in zip(rows, reqs):
             if not self._awrs_ready(req):
                 self._awrs_weigh(row, 0, self._awrs_stop_weight(req, logits[row]))
                 rest_rows.append(row)
                 rest_reqs.append(req)
+                continue
+            if row in deferred:
                 continue
             choice = RowChoice(self._runtime, req, req.awrs.text, self.awrs_stats)
             tok = self._awrs_decide(choice, logits[row], firsts.get(row), draws.get(row))
@@ -294,6 +316,40 @@ class AwrsRows:
                 hot_toks.append(tok)
         one_hot(logits, hot_rows, hot_toks)
         return rest_rows, rest_reqs
+
+    @property
+    def awrs_deferred_rows(self) -> list[int]:
+        """The rows of this step left to vLLM's draw (benchmarks read it)."""
+        return [row for row, _ in self._awrs_deferred]
+
+    def awrs_after_sample(self, sampled: torch.Tensor) -> None:
+        """vLLM's sampler drew the deferred rows' tokens (``sampled``, [rows,
+        1], changed in place) from the rows as this processor left them,
+        after dividing them by their temperature in place (pinned in
+        tests/test_bridge_pins_processors.py). An allowed token stands; a
+        refused one is taken out and the row drawn on as :meth:`_awrs_plain`
+        draws: the first draw of the loop was vLLM's own."""
+        deferred, self._awrs_deferred = self._awrs_deferred, []
+        logits, self._awrs_logits = getattr(self, "_awrs_logits", None), None
+        if not deferred:
+            return
+        toks = sampled[[row for row, _ in deferred], 0].tolist()
+        for (row, req), tok in zip(deferred, toks):
+            choice = RowChoice(self._runtime, req, req.awrs.text, self.awrs_stats)
+            why = None
+            try:
+                new = choice.after_draw(int(tok), logits[row])
+            except Exception as e:  # noqa: BLE001 - a failing check fails its request only
+                new, why = None, (f"token check {req.awrs.check!r} raised "
+                                  f"{type(e).__name__}: {e}")
+            if new is None:
+                # The step's token is not the grammar's: the scheduler drops it
+                # and ends the request with an error (take_failures, now).
+                self._awrs_fail(req, why or "the grammar and check allow no token here")
+                req.reported = True
+                self._failures[row] = req.failed
+            elif new != tok:
+                sampled[row, 0] = new
 
     def _awrs_positions(self, logits: torch.Tensor,
                         plan: list[tuple["GrammarRequest", list[int], list[int | None]]]

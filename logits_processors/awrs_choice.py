@@ -197,10 +197,25 @@ class RowChoice:
             work[tok] = _NEG_INF
         return _MASK
 
-    def _cdf(self, draw: CdfDraw):
+    def after_draw(self, tok: int, scaled: torch.Tensor) -> int | None:
+        """The mask mode's token for a row vLLM's sampler drew ``tok`` from
+        (``scaled``: the row at the request's temperature): ``tok`` when
+        allowed, else, ``tok`` taken out, what :meth:`choose` draws on."""
+        self.stats.rows += 1
+        self._row = self._scaled = scaled
+        self.untouched = False
+        ok = self._ok(tok)
+        if ok:
+            return tok
+        draw = row_draw(scaled)
+        draw.remove(tok)
+        tok = self._cdf(draw, refused=1)
+        return self._masked(scaled, None) if tok is _MASK else tok
+
+    def _cdf(self, draw: CdfDraw, refused: int = 0):
         """An unseeded row: inverse-CDF draws, refused tokens taken out."""
         self._draw = draw
-        for _ in range(MAX_REFUSALS + 1):
+        for _ in range(MAX_REFUSALS + 1 - refused):
             tok = draw.draw()
             if tok is None:
                 return None

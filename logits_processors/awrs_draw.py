@@ -86,8 +86,8 @@ def row_weights(logits: torch.Tensor, rows: list[int], temperatures: list[float]
         np.subtract(row, row.max(), out=buf[i, :v])
         if t != 1.0:
             np.multiply(buf[i, :v], np.float32(1.0 / t), out=buf[i, :v])
+    buf[:, v:] = -np.inf  # the padding: weight 0
     np.exp(buf, out=buf)
-    buf[:, v:] = 0.0
     sums = (buf.reshape(-1, BLOCK) @ _ones()).reshape(len(rows), -1).astype(np.float64)
     rng = step_rng()
     return [CdfDraw(buf[i], sums[i], rng) for i in range(len(rows))]

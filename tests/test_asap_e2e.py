@@ -264,3 +264,27 @@ def test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution(llm,
     assert set(estimate) <= set(target)
     assert tv(estimate, target) < noise_bound(target, n_eff), (estimate, target)
     assert noise_bound(target, n_eff) < distortion - 0.05
+
+
+def test_awrs_left_to_vllms_draw_samples_as_plain_masking(llm, tiny):
+    """Unseeded AWRS rows are drawn by vLLM's sampler and checked after it
+    (bridge/grammar_awrs.py): the outputs follow plain masking's exact
+    distribution, the grammar-conditioned target is far from it."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tok = llm.get_tokenizer()
+    prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
+    target, plain_exact = _target(tiny, tuple(prompt))
+    n = 150
+    params = SamplingParams(temperature=1.0, max_tokens=12,
+                            extra_args={"grammar": {"lark": LARK, "sampling": "awrs"}})
+    outs = llm.generate([TokensPrompt(prompt_token_ids=prompt)] * n, params, use_tqdm=False)
+    got = _texts(outs)
+    assert set(got) <= set(target)
+    assert tv(got, plain_exact) < noise_bound(plain_exact, n)
+    assert noise_bound(plain_exact, n) < tv(plain_exact, target) - noise_bound(target, n)
+    (deferred,) = llm.collective_rpc(lambda w: [
+        p.awrs_stats.rows for p in w.model_runner.input_batch.logitsprocs.all
+        if type(p).__name__ == "GrammarLogitsProcessor" and not p._idle])
+    assert deferred[0] >= n  # a check at each of their rows at least

@@ -119,6 +119,7 @@ def test_weighted_samples_follow_the_grammar_conditioned_distribution(
         "grammar": {"lark": LARK, "sampling": "awrs", "weights": True}})
     sp.update_from_generation_config({}, eos)
     n = 400
+    torch.manual_seed(3)  # the processor's own draws
     outs = sample_weighted(proc, lm, prompt, sp, n, seed=3)
     top = max(w for _, w in outs)
     weights = [math.exp(w - top) for _, w in outs]
@@ -135,7 +136,10 @@ def test_weighted_samples_follow_the_grammar_conditioned_distribution(
     assert tv(weighted, target) < noise_bound(target, int(ess)), (weighted, target, ess)
     assert tv(weighted, target) < distortion - noise_bound(plain_exact, n)
     # The mean weight estimates P(grammatical) = z, the SMC evidence.
-    assert abs(sum(math.exp(w) for _, w in outs) / n - z) < 0.25 * z
+    ws = [math.exp(w) for _, w in outs]
+    mean = sum(ws) / n
+    se = math.sqrt(sum((w - mean) ** 2 for w in ws) / (n - 1) / n)
+    assert abs(mean - z) < 4 * se, (mean, z, se)
 
 
 def test_continue_tokens_start_the_grammar_after_them(vllm_config, lm, tokenizer, prompt):

@@ -224,3 +224,38 @@ def test_sampler_draws_as_awrs_replays_them():
     assert "apply_temperature" in inspect.getsource(Sampler.sample)
     kept = apply_top_k_top_p(row.clone(), torch.tensor([3], dtype=torch.int32), None)
     assert int(torch.isfinite(kept).sum()) == 3
+
+
+def test_sampler_divides_the_processors_rows_in_place():
+    """AWRS leaves an unseeded row to vLLM's draw and reads it back after
+    sampling (bridge/grammar_awrs.py, AwrsRows.awrs_after_sample): the
+    tensor a logits processor was handed is the one the sampler draws
+    from, divided by each row's temperature in place, and nothing else
+    changes rows without top-k, top-p or min-p."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.sampler import Sampler
+
+    seen = []
+
+    class Keep:
+        def apply(self, logits):
+            seen.append(logits)
+            return logits
+
+        def is_argmax_invariant(self):
+            return False
+
+    raw = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    temps = torch.tensor([0.5, 1.0, 2.0])
+    meta = SamplingMetadata(
+        temperature=temps, all_greedy=False, all_random=True, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(3), presence_penalties=torch.zeros(3),
+        repetition_penalties=torch.ones(3), output_token_ids=[[], [], []],
+        allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors([Keep()]))
+    Sampler()(raw.clone(), meta)
+    (logits,) = seen
+    assert torch.equal(logits, raw / temps[:, None])

@@ -60,7 +60,8 @@ PATCHES: tuple[Patch, ...] = (
           runner.wrap_execute_model),
     Patch("runner.verified_topk", _RUNNER + "._sample",
           "takes the target's top-k at every verified row; a step with no "
-          "drafts takes the plain sampler",
+          "drafts takes the plain sampler; AWRS checks vLLM's draw of the rows "
+          "it left to it (bridge.grammar_awrs)",
           _PINS + "test_a_step_without_drafts_can_take_the_plain_sampler",
           runner.wrap_sample),
     Patch("runner.propose", _RUNNER + ".propose_draft_token_ids",
@@ -217,6 +218,9 @@ RELIED_ON: tuple[str, ...] = (
     # AWRS weights reach the output (bridge/grammar_weights.py;
     # tests/test_asap_e2e.py::test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution).
     "vllm.v1.request:Request.num_output_tokens",
+    # AWRS reads back the rows vLLM drew from (bridge/grammar_awrs.py;
+    # tests/test_bridge_pins_processors.py::test_sampler_divides_the_processors_rows_in_place).
+    "vllm.v1.sample.sampler:Sampler.apply_temperature",
     "vllm.v1.engine:EngineCoreOutput",
     "vllm.distributed.parallel_state:GroupCoordinator.first_rank",
     "vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding.__init__",

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from vllm_plugins.bridge import ranks, step, tree_step
+from vllm_plugins.bridge import grammar_awrs, ranks, step, tree_step
 from vllm_plugins.bridge.state import attach, state_of
 
 
@@ -187,8 +187,17 @@ def wrap_cpu_attention(original):
 
 def wrap_sample(original):
     # GPUModelRunner._sample(self, logits, spec_decode_metadata) -> SamplerOutput
+    # Our grammar processors' AWRS rows may be left to vLLM's own draw and
+    # checked after it (grammar_awrs).
     @functools.wraps(original)
     def _sample(self, logits, spec_decode_metadata):
+        plain = spec_decode_metadata is None or step.verifies_nothing(spec_decode_metadata)
+        grammar = grammar_awrs.before_sample(self, plain)
+        out = _sample_step(self, logits, spec_decode_metadata)
+        grammar_awrs.after_sample(grammar, out)
+        return out
+
+    def _sample_step(self, logits, spec_decode_metadata):
         state = state_of(self)
         if state is None or state.proposer is None or logits is None:
             return original(self, logits, spec_decode_metadata)
