@@ -151,6 +151,23 @@ def decode(model, proc, prompt: list[int], params, vocab: int, prefix):
     return out, rows
 
 
+def _plain_metadata(n: int, temperature: float):
+    """vLLM's sampling metadata for n unseeded rows at one temperature, no
+    logits processors (they ran already)."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    greedy = temperature < 1e-5
+    return SamplingMetadata(
+        temperature=torch.full((n,), 0.0 if greedy else temperature), all_greedy=greedy,
+        all_random=not greedy, top_p=None, top_k=None, generators={}, max_num_logprobs=None,
+        no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(n),
+        presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None,
+        bad_words_token_ids={}, logitsprocs=LogitsProcessors([]))
+
+
 def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: float,
                  width: int | None = None):
     """Per-step processor time of each mode over the recorded outputs
@@ -161,6 +178,7 @@ def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: flo
     outside the timed calls)."""
     import torch
     from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.sampler import Sampler
 
     times = {m: [] for m in procs}
     queue = list(seqs)
@@ -194,9 +212,18 @@ def replay_times(procs: dict, seqs: list, batch: int, eos: int, temperature: flo
         for m in names[step % len(names):] + names[:step % len(names)]:
             procs[m].update_state(None)
             x = logits.clone()
+            procs[m].awrs_defer = True  # as the model runner's _sample tells it
             t0 = time.perf_counter()
             procs[m].apply(x)
-            times[m].append((time.perf_counter() - t0) * 1e3)
+            elapsed = time.perf_counter() - t0
+            if procs[m].awrs_deferred_rows:
+                # AWRS rows left to vLLM's draw: the sampler (not timed: both
+                # modes pay it), then the processor's check of what it drew.
+                sampled = Sampler()(x, _plain_metadata(batch, temperature)).sampled_token_ids
+                t0 = time.perf_counter()
+                procs[m].awrs_after_sample(sampled)
+                elapsed += time.perf_counter() - t0
+            times[m].append(elapsed * 1e3)
         for i, slot in enumerate(slots):
             for m in procs:
                 outs[m][i].append(slot[0][slot[2]])
