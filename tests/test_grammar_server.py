@@ -74,6 +74,17 @@ def test_server_grammar_via_vllm_xargs(server):
     assert status == 200, body
     assert body["choices"][0]["text"] in (" yes", " no")
 
+    # AWRS with weights: the completion carries the output's summed log weight.
+    status, body = _post(base + "/v1/completions", {
+        "model": model, "prompt": "Is the sky blue? Answer:", "max_tokens": 5,
+        "temperature": 1.0, "vllm_xargs": {"grammar": json.dumps(
+            {"lark": 'start: " yes" | " no"', "sampling": "awrs", "weights": True})},
+    })
+    assert status == 200, body
+    assert body["choices"][0]["text"] in (" yes", " no")
+    weight = body["kv_transfer_params"]["vllm_plugins"]
+    assert weight["awrs_log_weight"] <= 1e-6 and weight["awrs_tokens"] >= 2
+
 
 # Nested deeper than Python's json reads (as text: json.dumps would refuse it
 # here already), deep enough for llguidance's own limit, and too large for it.
@@ -85,12 +96,13 @@ TOO_LARGE = {"json_schema": {"type": "object", "properties": {
 
 @pytest.mark.parametrize("grammar, needle", [
     ({"json_schema": {"type": "frobnicate"}}, "Invalid type: frobnicate"),
+    ({"regex": "a", "weights": True}, '["weights"] needs "sampling": "awrs"'),
     ({"regex": "a", "lark": "start: 'a'"}, "exactly one of the keys"),
     ({"regexp": "a"}, "unknown key(s) 'regexp'"),
     (TOO_DEEP_FOR_PYTHON, "nested too deeply to compile"),
     (TOO_DEEP, "recursion limit exceeded"),
     (TOO_LARGE, "too big"),
-], ids=["bad-type", "two-kinds", "unknown-key", "too-deep-python", "too-deep",
+], ids=["bad-type", "weights-without-awrs", "two-kinds", "unknown-key", "too-deep-python", "too-deep",
         "too-large"])
 def test_server_bad_grammar_is_400_and_server_keeps_serving(server, grammar, needle):
     base, model = server
