@@ -222,3 +222,31 @@ def test_the_documented_smc_loop_is_the_tested_one():
     doc = (root / "docs" / "grammar.md").read_text()
     block = doc.split("(`tests/smc_example.py`):\n\n```python\n", 1)[1].split("```", 1)[0]
     assert block == (root / "tests" / "smc_example.py").read_text()
+
+
+def test_verified_rows_are_weighed_at_each_position(vllm_config, rt):
+    """Under speculation the target rows (after draft[:j]) and the bonus row
+    each get a weight, by position, up to the first draft the grammar
+    refuses (rows after it are never committed)."""
+    from tests.test_awrs import TinyTokenizer
+
+    proc = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    proc._runtime, proc._vocab_size = rt, V
+    grammar = {"regex": "(ab|ba)+7?(0|12)", "sampling": "awrs", "weights": True}
+    enc = TinyTokenizer()
+    for draft, weighed in ((enc("abba"), 3), (enc("abba") + [11, 14], 3)):
+        sp = params(grammar, 1.0)
+        proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[],
+                                      added=[(0, sp, [1], [])]))
+        rows = torch.stack([logits_of(5, draft[:j]) for j in range(len(draft) + 1)])
+        proc.begin_verification([draft])
+        try:
+            proc.apply_drafted(rows[:-1].clone(), [len(draft)])
+            proc.apply(rows[-1:].clone())  # the bonus row, after all drafts
+        finally:
+            proc.end_verification()
+        ws = proc.take_awrs_weights()[0]
+        # "ab","ba" accepted by the grammar: rows 0..2; "x" refused: nothing after.
+        assert len(ws) == weighed, ws
+        assert all(w <= 1e-6 and math.isfinite(w) for w in ws)
+        proc.update_state(BatchUpdate(batch_size=0, removed=[0], added=[], moved=[]))
