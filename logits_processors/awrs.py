@@ -242,9 +242,8 @@ class AwrsRows:
 
     def _awrs_weigh(self, index: int, pos: int, log_weight: float | None) -> None:
         if log_weight is not None:
-            if not hasattr(self, "_awrs_weights"):
-                self._awrs_weights = {}
-            self._awrs_weights.setdefault(index, {})[pos] = log_weight
+            weights = self.__dict__.setdefault("_awrs_weights", {})
+            weights.setdefault(index, {})[pos] = log_weight
 
     def _awrs_stop_weight(self, req: "GrammarRequest", row_logits: torch.Tensor) -> float | None:
         """A weighted request whose grammar has ended: EOS is forced, and the
@@ -252,8 +251,7 @@ class AwrsRows:
         areq = req.awrs
         if areq is None or not areq.weights or req.failed or not req.matcher.is_stopped():
             return None
-        lp = float(torch.log_softmax(row_logits / areq.temperature, -1)[req.eos])
-        return lp
+        return float(torch.log_softmax(row_logits / areq.temperature, -1)[req.eos])
 
     def _awrs_fail(self, req: "GrammarRequest", why: str) -> None:
         req.fail(why)
