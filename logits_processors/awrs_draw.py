@@ -80,7 +80,10 @@ def row_weights(logits: torch.Tensor, rows: list[int], temperatures: list[float]
     v = logits.shape[1]
     width = -(-v // BLOCK) * BLOCK
     buf = _buffer(len(rows), width, single)
-    table = logits.detach().float().cpu().numpy()
+    if logits.device.type == "cpu":
+        table = logits.detach().float().numpy()
+    else:  # only the rows drawn from cross to the host
+        table, rows = logits[rows].detach().float().cpu().numpy(), range(len(rows))
     for i, (r, t) in enumerate(zip(rows, temperatures)):
         row = table[r]
         np.subtract(row, row.max(), out=buf[i, :v])
