@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .awrs_draw import BLOCK, CdfDraw, race, row_draw
+from .awrs_draw import BLOCK, CdfDraw, race, row_draw, scratch_copy
 
 if TYPE_CHECKING:
     from vllm_plugins.grammar.runtime import GrammarRuntime
@@ -193,7 +193,7 @@ class RowChoice:
                     self.log_weight = self._race_estimate(scaled, work, noise, tok)
                 return tok
             if n == 0:
-                work = scaled.clone()
+                work = scratch_copy(scaled) if noise is None else scaled.clone()
             work[tok] = _NEG_INF
         return _MASK
 
@@ -304,7 +304,7 @@ class RowChoice:
         """The fallback: the whole mask, then vLLM's own draw over it (an
         unseeded row: the inverse-CDF draw); with weights, Z exactly."""
         draw = self._draw
-        if (draw is not None and not self.areq.truncated and not self.areq.top_k
+        if (isinstance(draw, CdfDraw) and not self.areq.truncated and not self.areq.top_k
                 and draw.weights.shape[0] % BLOCK == 0):
             return self._masked_draw(draw)
         banned = self._banned(scaled.shape[0], scaled.device)

@@ -53,16 +53,26 @@ def argmax_rows(logits: torch.Tensor, rows: list[int]) -> list[int]:
     return Sampler.greedy_sample(logits[rows]).tolist()
 
 
-_BUFFERS: dict[tuple[int, bool], np.ndarray] = {}
+_BUFFERS: dict[tuple[int, str], np.ndarray] = {}
 
 
-def _buffer(n: int, width: int, single: bool) -> np.ndarray:
-    """A float32 [n, width] scratch array, reused between steps (one for
-    the step's rows, one for single rows drawn meanwhile)."""
-    buf = _BUFFERS.get((width, single))
+def _buffer(n: int, width: int, use: str) -> np.ndarray:
+    """A float32 [n, width] scratch array, reused between steps: one per
+    ``use`` (the step's rows; a single row drawn meanwhile; a row copy)."""
+    buf = _BUFFERS.get((width, use))
     if buf is None or buf.shape[0] < n:
-        buf = _BUFFERS[(width, single)] = np.empty((max(n, 16), width), dtype=np.float32)
+        buf = _BUFFERS[(width, use)] = np.empty((max(n, 16), width), dtype=np.float32)
     return buf[:n]
+
+
+def scratch_copy(row: torch.Tensor) -> torch.Tensor:
+    """A copy of a CPU row in a buffer kept between calls (valid until the
+    next call): a fresh vocabulary-sized tensor faults in new pages."""
+    if row.device.type != "cpu":
+        return row.clone()
+    buf = _buffer(1, row.shape[0], "copy")[0]
+    np.copyto(buf, row.detach().float().numpy())
+    return torch.from_numpy(buf)
 
 
 def step_rng() -> np.random.Generator:
@@ -73,13 +83,13 @@ def step_rng() -> np.random.Generator:
 
 
 def row_weights(logits: torch.Tensor, rows: list[int], temperatures: list[float],
-                single: bool = False) -> list["CdfDraw"]:
+                use: str = "rows") -> list["CdfDraw"]:
     """An inverse-CDF draw for each of ``logits[rows]`` at its temperature:
     exp((row - max) / T) and its block sums, in one pass over the step's
     rows. The draws read a buffer the next call overwrites."""
     v = logits.shape[1]
     width = -(-v // BLOCK) * BLOCK
-    buf = _buffer(len(rows), width, single)
+    buf = _buffer(len(rows), width, use)
     if logits.device.type == "cpu":
         table = logits.detach().float().numpy()
     else:  # only the rows drawn from cross to the host
@@ -105,7 +115,7 @@ def _ones() -> np.ndarray:
 
 def row_draw(scaled: torch.Tensor) -> "CdfDraw":
     """An inverse-CDF draw from one temperature-scaled row (any device)."""
-    return row_weights(scaled[None], [0], [1.0], single=True)[0]
+    return row_weights(scaled[None], [0], [1.0], use="single")[0]
 
 
 class CdfDraw:
