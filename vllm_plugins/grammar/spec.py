@@ -123,8 +123,12 @@ class RequestOptions:
 
 
 def _as_dict(raw: Any) -> Any:
-    """The spec as a dict when it is one or its JSON text; else as given."""
+    """The spec as a dict when it is one or its JSON text naming a
+    per-request option; else as given (a large schema's text is not parsed
+    again just to find none)."""
     if isinstance(raw, str):
+        if not any(f'"{k}"' in raw for k in PER_REQUEST_OPTIONS):
+            return raw
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, RecursionError):
