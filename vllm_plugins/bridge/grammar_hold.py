@@ -256,19 +256,7 @@ def wrap_sample_tokens(original):
 
 
 def _take_matcher_errors(input_batch: Any) -> dict[str, str]:
-    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
-
-    procs = getattr(input_batch, "logitsprocs", None)
-    if procs is None:
-        return {}
-    errors: dict[str, str] = {}
-    req_ids = input_batch.req_ids
-    for proc in procs.all:
-        if isinstance(proc, GrammarLogitsProcessor):
-            for index, reason in proc.take_failures().items():
-                if index < len(req_ids) and req_ids[index] is not None:
-                    errors[req_ids[index]] = reason
-    return errors
+    return grammar_weights.by_request_id(input_batch, "take_failures")
 
 
 def _attach(out: Any, reports: dict[str, dict]) -> None:

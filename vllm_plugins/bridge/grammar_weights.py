@@ -32,21 +32,27 @@ TOTALS_ATTR = "_vllm_plugins_awrs_totals"
 OUTPUT_KEY = "vllm_plugins"
 
 
-def take_weights(input_batch: Any) -> dict[str, list[float]]:
-    """This step's weights of the grammar processors' requests, by request id."""
+def by_request_id(input_batch: Any, take: str) -> dict[str, Any]:
+    """What each grammar processor's ``take`` method hands over by batch
+    index (this step's rows), keyed by request id instead."""
     from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
 
     procs = getattr(input_batch, "logitsprocs", None)
     if procs is None:
         return {}
-    weights: dict[str, list[float]] = {}
+    out: dict[str, Any] = {}
     req_ids = input_batch.req_ids
     for proc in procs.all:
         if isinstance(proc, GrammarLogitsProcessor):
-            for index, ws in proc.take_awrs_weights().items():
+            for index, value in getattr(proc, take)().items():
                 if index < len(req_ids) and req_ids[index] is not None:
-                    weights[req_ids[index]] = ws
-    return weights
+                    out[req_ids[index]] = value
+    return out
+
+
+def take_weights(input_batch: Any) -> dict[str, list[float]]:
+    """This step's weights of the grammar processors' requests, by request id."""
+    return by_request_id(input_batch, "take_awrs_weights")
 
 
 def before_update(scheduler: Any, output: Any) -> dict[str, tuple[Any, int]] | None:
