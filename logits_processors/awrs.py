@@ -153,7 +153,7 @@ class AwrsRequest:
         if device.type == "cpu":  # vLLM's forward_cpu: one seed per row
             return torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)
         q = torch.empty(width, dtype=torch.float32, device=device)  # random_sample
-        return q.exponential_(generator=gen) if gen is not None else q.exponential_()
+        return q.exponential_(generator=gen)
 
     def noise(self, width: int, device: torch.device):
         """A seeded row's draw, from the request's generator copy; None for

@@ -172,8 +172,9 @@ def tv(p: dict, q: dict) -> float:
 
 
 # ------------------------------------------------------------------- sampling
-def sample(proc, lm, prompt, sp, n, seed):
-    """n requests one after another (index 0 of the batch), as vLLM's V1 sampler runs them."""
+def sample(proc, lm, prompt, sp, n, seed, log_weights=None):
+    """n requests one after another (index 0 of the batch), as vLLM's V1 sampler runs them.
+    ``log_weights``: a list that gets each output's summed AWRS log weight."""
     gen = torch.Generator().manual_seed(seed)
     eos = sp.eos_token_id
     outs = []
@@ -181,9 +182,13 @@ def sample(proc, lm, prompt, sp, n, seed):
         out: list[int] = []
         proc.update_state(BatchUpdate(batch_size=1, removed=[],
                                       added=[(0, sp, list(prompt), out)], moved=[]))
+        if log_weights is not None:
+            log_weights.append(0.0)
         while True:
             row = lm(prompt + tuple(out)).clone()[None]
             row = proc.apply(row)
+            if log_weights is not None:
+                log_weights[-1] += sum(proc.take_awrs_weights().get(0, []))
             probs = torch.softmax(row[0].double() / sp.temperature, 0)
             tok = int(torch.multinomial(probs, 1, generator=gen))
             out.append(tok)

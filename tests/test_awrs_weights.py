@@ -19,7 +19,7 @@ import torch
 
 from tests.test_asap import (  # noqa: F401 - fixtures, used by name
     LARK, MAX_TOKENS, by_text, enumerate_language, lm, model_dir, noise_bound, one_thread,
-    prompt, tokenizer, tv, vllm_config)
+    prompt, sample, tokenizer, tv, vllm_config)
 from tests.test_awrs import EOS, V, logits_of, params, rt  # noqa: F401 - rt: fixture
 
 pytest.importorskip("vllm")
@@ -81,26 +81,9 @@ def test_a_rows_weight_is_an_unbiased_estimate_of_its_allowed_mass(rt, noise, mo
 
 def sample_weighted(proc, lm, prompt, sp, n, seed):
     """n outputs, one after another, each with its summed log weight."""
-    gen = torch.Generator().manual_seed(seed)
-    eos = sp.eos_token_id
-    outs = []
-    for _ in range(n):
-        out: list[int] = []
-        log_w = 0.0
-        proc.update_state(BatchUpdate(batch_size=1, removed=[],
-                                      added=[(0, sp, list(prompt), out)], moved=[]))
-        while True:
-            row = proc.apply(lm(prompt + tuple(out)).clone()[None])
-            log_w += sum(proc.take_awrs_weights().get(0, []))
-            probs = torch.softmax(row[0].double() / sp.temperature, 0)
-            tok = int(torch.multinomial(probs, 1, generator=gen))
-            out.append(tok)
-            if tok == eos or len(out) >= sp.max_tokens:
-                break
-            proc.update_state(None)
-        proc.update_state(BatchUpdate(batch_size=0, removed=[0], added=[], moved=[]))
-        outs.append((tuple(out[:-1]) if out[-1] == eos else tuple(out), log_w))
-    return outs
+    log_weights: list[float] = []
+    outs = sample(proc, lm, prompt, sp, n, seed, log_weights)
+    return list(zip(outs, log_weights))
 
 
 def test_weighted_samples_follow_the_grammar_conditioned_distribution(
