@@ -74,9 +74,13 @@ def llm():
 
     if "grammar" not in {ep.name for ep in entry_points(group="vllm.logits_processors")}:
         pytest.skip("package not installed with its entry points (pip install -e .)")
-    engine = LLM(model=default_model_path(), dtype="float32", max_model_len=1024,
-                 max_num_seqs=8, enforce_eager=True, seed=0,
-                 kv_cache_memory_bytes=512 * 2**20, logits_processors=[ForceTokenAt])
+    # The engine core in its own process, as under ``vllm serve``: in this
+    # process it would find the front end's compile cached and hold nothing.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+        engine = LLM(model=default_model_path(), dtype="float32", max_model_len=1024,
+                     max_num_seqs=8, enforce_eager=True, seed=0,
+                     kv_cache_memory_bytes=512 * 2**20, logits_processors=[ForceTokenAt])
     yield engine
     shutdown(engine)
 
