@@ -332,22 +332,41 @@ class AwrsRows:
         if not deferred:
             return
         toks = sampled[[row for row, _ in deferred], 0].tolist()
+        refused = []
         for (row, req), tok in zip(deferred, toks):
             choice = RowChoice(self._runtime, req, req.awrs.text, self.awrs_stats)
-            why = None
             try:
-                new = choice.after_draw(int(tok), logits[row])
+                if choice.drawn_ok(int(tok)):
+                    continue
             except Exception as e:  # noqa: BLE001 - a failing check fails its request only
-                new, why = None, (f"token check {req.awrs.check!r} raised "
-                                  f"{type(e).__name__}: {e}")
+                self._awrs_after_sample_failed(row, req, e)
+                continue
+            refused.append((row, req, choice, int(tok)))
+        if not refused:
+            return
+        # The refused rows' weights in one pass (rows at temperature already).
+        draws = row_weights(logits, [row for row, *_ in refused], [1.0] * len(refused),
+                            use="refused")
+        for (row, req, choice, tok), draw in zip(refused, draws):
+            try:
+                new = choice.redraw(tok, logits[row], draw)
+            except Exception as e:  # noqa: BLE001 - a failing check fails its request only
+                self._awrs_after_sample_failed(row, req, e)
+                continue
             if new is None:
-                # The step's token is not the grammar's: the scheduler drops it
-                # and ends the request with an error (take_failures, now).
-                self._awrs_fail(req, why or "the grammar and check allow no token here")
-                req.reported = True
-                self._failures[row] = req.failed
-            elif new != tok:
+                self._awrs_after_sample_failed(row, req, None)
+            else:
                 sampled[row, 0] = new
+
+    def _awrs_after_sample_failed(self, row: int, req: "GrammarRequest",
+                                  error: Exception | None) -> None:
+        """The step's token is not the grammar's: the scheduler drops it and
+        ends the request with an error (take_failures, now)."""
+        why = "the grammar and check allow no token here" if error is None else (
+            f"token check {req.awrs.check!r} raised {type(error).__name__}: {error}")
+        self._awrs_fail(req, why)
+        req.reported = True
+        self._failures[row] = req.failed
 
     def _awrs_positions(self, logits: torch.Tensor,
                         plan: list[tuple["GrammarRequest", list[int], list[int | None]]]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .awrs_draw import BLOCK, CdfDraw, race, row_draw, scratch_copy
+from .awrs_draw import BLOCK, CdfDraw, block_sums, race, row_draw, scratch_copy
 
 if TYPE_CHECKING:
     from vllm_plugins.grammar.runtime import GrammarRuntime
@@ -197,17 +197,19 @@ class RowChoice:
             work[tok] = _NEG_INF
         return _MASK
 
-    def after_draw(self, tok: int, scaled: torch.Tensor) -> int | None:
-        """The mask mode's token for a row vLLM's sampler drew ``tok`` from
-        (``scaled``: the row at the request's temperature): ``tok`` when
-        allowed, else, ``tok`` taken out, what :meth:`choose` draws on."""
+    def drawn_ok(self, tok: int) -> bool:
+        """Whether the mask mode could have drawn ``tok``, the token vLLM's
+        sampler drew from this untruncated row."""
         self.stats.rows += 1
-        self._row = self._scaled = scaled
         self.untouched = False
-        ok = self._ok(tok)
-        if ok:
-            return tok
-        draw = row_draw(scaled)
+        return self.allowed(tok)
+
+    def redraw(self, tok: int, scaled: torch.Tensor, draw: CdfDraw) -> int | None:
+        """The mask mode's token for a row whose drawn ``tok`` was refused
+        (:meth:`drawn_ok`): ``tok`` taken out of ``draw`` (the inverse-CDF
+        weights of ``scaled``, the row at the request's temperature), what
+        :meth:`choose` draws on."""
+        self._row = self._scaled = scaled
         draw.remove(tok)
         tok = self._cdf(draw, refused=1)
         return self._masked(scaled, None) if tok is _MASK else tok
@@ -268,33 +270,39 @@ class RowChoice:
 
         return self._estimate(float(probs[tok]), 1.0 - refused, second)
 
-    def _banned(self, width: int, device: torch.device) -> torch.Tensor:
-        """The whole mask as vLLM's row sees it: True where the grammar (or
-        the check) refuses the token."""
+    def _allowed(self, width: int) -> np.ndarray:
+        """The whole mask as vLLM's row of ``width`` sees it: uint8, 1 where
+        the grammar (and the check) allows the token."""
         rt, req = self.rt, self.req
         self.stats.masks += 1
         self.stats.mask_tokens += rt.vocab_size
-        words = _fill(rt, req.matcher)
-        banned = rt.banned_tokens(words, width, device)[0]
+        bits = np.unpackbits(_fill(rt, req.matcher).numpy()[0].view(np.uint8),
+                             bitorder="little")  # bit j of word w: token 32*w + j
+        allowed = np.zeros(width, dtype=np.uint8)  # ids past the tokenizer: never
+        n = min(width, bits.shape[0])
+        allowed[:n] = bits[:n]
         if req.eos != rt.eos_token and req.eos < width:
-            banned[req.eos] = banned[rt.eos_token]
+            allowed[req.eos] = allowed[rt.eos_token]
         if self.areq.check is not None:
-            for tok in (~banned).nonzero().flatten().tolist():
+            for tok in np.flatnonzero(allowed).tolist():
                 if tok not in self._eos:
                     ok = self.known.get(tok)
-                    banned[tok] = not (self._check(tok) if ok is None else ok)
-        return banned
+                    allowed[tok] = self._check(tok) if ok is None else ok
+        return allowed
+
+    def _banned(self, width: int, device: torch.device) -> torch.Tensor:
+        """:meth:`_allowed` as vLLM's row takes it: True where refused."""
+        return torch.from_numpy(self._allowed(width) == 0).to(device)
 
     def _masked_draw(self, draw: CdfDraw) -> int | None:
         """The fallback of an unseeded untruncated row: its inverse-CDF
         weights cut to the allowed tokens (numpy, no vocabulary-wide tensor)."""
         v = self._row.shape[0]
-        banned = self._banned(v, torch.device("cpu")).numpy()
         w = draw.weights
-        w[:v][banned] = 0.0
-        if not w.any():
+        np.multiply(w[:v], self._allowed(v), out=w[:v])
+        blocks = block_sums(w[None])[0]
+        if not blocks.any():
             return None
-        blocks = w.reshape(-1, BLOCK).sum(axis=1, dtype=np.float64)
         if self.areq.weights:
             z = float(blocks.sum()) / draw.initial
             self.log_weight = math.log(z) if z > 0.0 else _NEG_INF

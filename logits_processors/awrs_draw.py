@@ -75,11 +75,22 @@ def scratch_copy(row: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(buf)
 
 
-def step_rng() -> np.random.Generator:
-    """A numpy generator seeded from torch's global one: every rank draws
-    the same seed (vLLM seeds torch alike on all ranks), and numpy's draws
-    cost a fraction of a microsecond where ``torch.rand`` costs several."""
-    return np.random.default_rng(int(torch.randint(0, 2**62, ())))
+class Uniforms:
+    """Uniform floats in [0, 1) from torch's global generator, taken a block
+    at a time: every rank draws the same ones (vLLM seeds torch alike on all
+    ranks), and one call costs several microseconds where a float from the
+    block costs nothing."""
+
+    __slots__ = ("_left",)
+    _BLOCK = 8
+
+    def __init__(self) -> None:
+        self._left: list[float] = []
+
+    def random(self) -> float:
+        if not self._left:
+            self._left = torch.rand(self._BLOCK, dtype=torch.float64).tolist()
+        return self._left.pop()
 
 
 def row_weights(logits: torch.Tensor, rows: list[int], temperatures: list[float],
@@ -101,16 +112,20 @@ def row_weights(logits: torch.Tensor, rows: list[int], temperatures: list[float]
             np.multiply(buf[i, :v], np.float32(1.0 / t), out=buf[i, :v])
     buf[:, v:] = -np.inf  # the padding: weight 0
     np.exp(buf, out=buf)
-    sums = (buf.reshape(-1, BLOCK) @ _ones()).reshape(len(rows), -1).astype(np.float64)
-    rng = step_rng()
+    sums = block_sums(buf)
+    rng = Uniforms()
     return [CdfDraw(buf[i], sums[i], rng) for i in range(len(rows))]
 
 
-def _ones() -> np.ndarray:
+def block_sums(weights: np.ndarray) -> np.ndarray:
+    """float64 [n, width / BLOCK]: the sums of each row's blocks of
+    :data:`BLOCK` weights (one matrix-vector product: numpy's reduction along
+    an axis costs several times more)."""
     ones = _BUFFERS.get((BLOCK, "ones"))
     if ones is None:
         ones = _BUFFERS[(BLOCK, "ones")] = np.ones(BLOCK, dtype=np.float32)
-    return ones
+    n = weights.shape[0]
+    return (weights.reshape(-1, BLOCK) @ ones).reshape(n, -1).astype(np.float64)
 
 
 def row_draw(scaled: torch.Tensor) -> "CdfDraw":
@@ -127,7 +142,7 @@ class CdfDraw:
     __slots__ = ("weights", "blocks", "total", "initial", "rng", "_cum")
 
     def __init__(self, weights: np.ndarray, blocks: np.ndarray,
-                 rng: np.random.Generator | None = None) -> None:
+                 rng: Uniforms | None = None) -> None:
         self.weights = weights
         self.blocks = blocks
         self.total = float(blocks.sum())
@@ -136,9 +151,9 @@ class CdfDraw:
         self._cum: np.ndarray | None = None  # cumsum of blocks, until a removal
 
     def _uniform(self) -> float:
-        if self.rng is None:  # torch's generator: as every rank's
-            self.rng = step_rng()
-        return float(self.rng.random())
+        if self.rng is None:
+            self.rng = Uniforms()
+        return self.rng.random()
 
     def draw(self) -> int | None:
         """A token with chance weight / remaining mass; None: none is left."""
