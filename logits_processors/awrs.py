@@ -58,7 +58,7 @@ from vllm_plugins.grammar.spec import (GRAMMAR_KEY, CompiledGrammar, GrammarSpec
 from vllm_plugins.tree.sampling import is_greedy
 
 from .awrs_choice import _NEG_INF, AwrsStats, RowChoice
-from .awrs_draw import argmax_rows, row_weights
+from .awrs_draw import argmax_rows, row_weights, warm_up
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -170,6 +170,7 @@ def new_awrs(params: "SamplingParams", compiled: CompiledGrammar, rt: "GrammarRu
     (a request resumed after preemption), consumed by its matcher later."""
     check = check_function(compiled.check) if compiled.check else None
     options = options or RequestOptions()
+    warm_up()
     areq = AwrsRequest(params, check, vocab_size, len(output or ()),
                        rt.ll_tokenizer.decode_bytes, options.weights)
     if check is not None and options.continue_tokens:

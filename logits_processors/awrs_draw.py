@@ -139,7 +139,7 @@ class CdfDraw:
     the block. The weights and sums are this object's to change (refused
     tokens are zeroed)."""
 
-    __slots__ = ("weights", "blocks", "total", "initial", "rng", "_cum")
+    __slots__ = ("weights", "blocks", "total", "initial", "rng")
 
     def __init__(self, weights: np.ndarray, blocks: np.ndarray,
                  rng: Uniforms | None = None) -> None:
@@ -148,7 +148,6 @@ class CdfDraw:
         self.total = float(blocks.sum())
         self.initial = self.total
         self.rng = rng
-        self._cum: np.ndarray | None = None  # cumsum of blocks, until a removal
 
     def _uniform(self) -> float:
         if self.rng is None:
@@ -159,24 +158,8 @@ class CdfDraw:
         """A token with chance weight / remaining mass; None: none is left."""
         if self.total <= 0.0:
             return None
-        u = self._uniform() * self.total
-        cum = self._cum
-        if cum is None:
-            cum = self._cum = np.cumsum(self.blocks)
-        b = min(int(np.searchsorted(cum, u, side="right")), len(cum) - 1)
-        while b > 0 and self.blocks[b] <= 0.0:  # rounding past the last block with mass
-            b -= 1
-        u -= float(cum[b - 1]) if b else 0.0
-        start = b * BLOCK
-        inner = self.weights[start:start + BLOCK]
-        icum = np.cumsum(inner, dtype=np.float64)
-        i = int(np.searchsorted(icum, u, side="right"))
-        if i >= len(inner):  # rounding past the block's end: its last token with mass
-            nz = np.flatnonzero(inner > 0.0)
-            if not len(nz):
-                return None
-            i = int(nz[-1])
-        return start + i
+        tok = (_search or warm_up())(self.weights, self.blocks, self._uniform() * self.total)
+        return None if tok < 0 else tok
 
     def p(self, tok: int) -> float:
         """The token's share of the whole row (0 once removed)."""
@@ -189,7 +172,6 @@ class CdfDraw:
             self.weights[tok] = 0.0
             self.blocks[tok // BLOCK] = max(self.blocks[tok // BLOCK] - w, 0.0)
             self.total = max(self.total - w, 0.0)
-            self._cum = None
         return w
 
     def restore(self, tok: int, w: float) -> None:
@@ -198,4 +180,48 @@ class CdfDraw:
             self.weights[tok] = w
             self.blocks[tok // BLOCK] += w
             self.total += w
-            self._cum = None
+
+
+_search = None  # _cdf_index compiled, once warm_up ran
+
+
+def warm_up():
+    """The draw's search, compiled (or loaded from numba's cache). Called when
+    a process's first AWRS request is added: that one step waits for it
+    (numba's import alone takes half a second here), where a call at
+    processor construction would delay every engine start."""
+    global _search
+    if _search is None:
+        from vllm_plugins.proposers.jit import cached_njit
+
+        fn = cached_njit(_cdf_index)
+        fn(np.ones(BLOCK, dtype=np.float32), np.ones(1), 0.5)
+        _search = fn
+    return _search
+
+
+def _cdf_index(weights: np.ndarray, blocks: np.ndarray, u: float) -> int:
+    """The first token whose running sum of weights passes ``u``: the block
+    first, then within it (-1: no weight left). Rounding between the block
+    sums and the weights can carry ``u`` past a block's end: its last token
+    with weight then."""
+    chosen, before, acc = -1, 0.0, 0.0
+    for b in range(blocks.shape[0]):
+        s = blocks[b]
+        if s > 0.0:
+            chosen, before = b, acc
+            if acc + s > u:
+                break
+        acc += s
+    if chosen < 0:
+        return -1
+    u -= before
+    last, run = -1, 0.0
+    for i in range(chosen * BLOCK, (chosen + 1) * BLOCK):
+        w = weights[i]
+        if w > 0.0:
+            last = i
+            run += w
+            if run > u:
+                return i
+    return last

@@ -66,3 +66,22 @@ def test_inverse_cdf_draws_follow_the_softmax(width):
             q /= q.sum()
         qexp = q.numpy()
         assert chi2_pvalue(obs, qexp) < 1e-6, (i, width)
+
+
+def test_the_compiled_search_lands_on_weight_only():
+    """The search behind a draw: the first token whose running sum passes u,
+    blocks without weight skipped, u past the end (rounding between block
+    sums and weights) on the last token with weight, nothing left: -1."""
+    import numpy as np
+
+    from vllm_plugins.logits_processors.awrs_draw import warm_up
+
+    search = warm_up()
+    w = np.zeros(3 * BLOCK, dtype=np.float32)
+    w[[3, BLOCK + 7, BLOCK + 9]] = [1.0, 2.0, 0.5]
+    blocks = w.reshape(-1, BLOCK).sum(axis=1, dtype=np.float64)
+    assert [search(w, blocks, u) for u in (0.0, 0.99, 1.0, 2.99, 3.0, 3.49)] == [
+        3, 3, BLOCK + 7, BLOCK + 7, BLOCK + 9, BLOCK + 9]
+    assert search(w, blocks, 3.5) == BLOCK + 9        # past the end
+    assert search(w, blocks + [0.0, 0.1, 0.0], 3.55) == BLOCK + 9  # sums above the weights
+    assert search(np.zeros_like(w), np.zeros(3), 0.0) == -1
