@@ -148,7 +148,8 @@ def main(argv=None) -> int:
     if args.quick:
         args.per_category = args.per_category or [2]
         args.max_tokens = min(args.max_tokens, 128)
-    from vllm_plugins.bench.engines import quiet_vllm
+    from vllm_plugins.bench.engines import numba_threads_as_the_engines, quiet_vllm
+    numba_threads_as_the_engines()
     if not args.verbose:
         quiet_vllm()
     from tqdm import tqdm

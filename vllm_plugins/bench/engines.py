@@ -49,6 +49,30 @@ QUIET_ENVIRONMENT = {
 }
 
 
+def numba_threads_as_the_engines() -> None:
+    """Numba's thread count made the engines' own, before numba is imported.
+
+    Under numba's OpenMP layer numba's thread count is torch's too. vLLM's
+    ``ngram`` proposer launches numba's threads at numba's default count
+    (every CPU of the host) and sets that count back after each proposal,
+    so with engines in this process every later forward, of every engine,
+    would run on that many threads over the cores the engines are bound to:
+    steps that verify several tokens slow down most. The engines' count is
+    ``OMP_NUM_THREADS``, else the cores of a single-rank
+    ``VLLM_CPU_OMP_THREADS_BIND`` ("0", "0-3", "0,2"). A count the caller
+    set is kept."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")
+    if not threads and bind and all(c.isdigit() or c in ",-" for c in bind):
+        cores = set()
+        for part in bind.split(","):
+            lo, _, hi = part.partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+        threads = str(len(cores))
+    if threads:
+        os.environ.setdefault("NUMBA_NUM_THREADS", threads)
+
+
 def quiet_vllm() -> None:
     """Keeps a benchmark's output to its progress bar and tables.
 

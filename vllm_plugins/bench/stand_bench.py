@@ -85,6 +85,8 @@ def run_samples(llm, prompt: list[int], params, tag: str):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from vllm_plugins.bench.engines import numba_threads_as_the_engines
+    numba_threads_as_the_engines()
     from tqdm import tqdm
     from vllm import SamplingParams
 

@@ -267,14 +267,9 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # vLLM's ngram proposer sets numba's thread count back to numba's
-    # default after each proposal; under numba's OpenMP layer that is also
-    # torch's, which would leave every later torch op in this process on all
-    # the host's CPUs. Numba's default is made the engine's thread count.
-    if "OMP_NUM_THREADS" in os.environ:
-        os.environ.setdefault("NUMBA_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
-    from vllm_plugins.bench.engines import quiet_vllm
+    from vllm_plugins.bench.engines import numba_threads_as_the_engines, quiet_vllm
 
+    numba_threads_as_the_engines()
     quiet_vllm()
     import numpy as np
     from vllm import SamplingParams
