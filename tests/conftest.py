@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from vllm_plugins.bench.engines import numba_threads_as_the_engines
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # Engines a test builds run in the test's own process (vLLM's in-process
 # engine core and worker). A CPU engine otherwise starts two processes, each
@@ -24,6 +26,9 @@ def bind_worker_to_its_core() -> None:
     cores = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # vLLM's ngram proposer would otherwise leave torch on numba's default
+    # count (every core) for the rest of the worker's tests.
+    numba_threads_as_the_engines()
 
 
 bind_worker_to_its_core()
