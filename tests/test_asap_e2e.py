@@ -233,11 +233,15 @@ def pair_counts(tok, pairs):
 
 def test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution(llm, tiny):
     """The SMC loop of docs/grammar.md (tests/smc_example.py) on a model
-    whose weights vary wildly between paths (a random Llama: each run
-    collapses onto few particles). A run's particles times its evidence
-    estimate are unbiased for the target at any number of particles, so
-    independent runs pooled by evidence estimate the target that plain
-    masking's samples miss."""
+    whose weights vary wildly between paths (a random Llama). A run's
+    particles times its evidence estimate are unbiased for the target at any
+    number of particles, so independent runs pooled by evidence estimate the
+    target that plain masking's samples miss. The estimate is heavy-tailed
+    here (a few runs carry most of the evidence, their particles share
+    ancestors), so no binomial bound describes it; the check is the claim
+    itself: the pooled particles stand at most half as far from the target
+    as plain masking's exact distribution does. Weights ignored, resampling
+    and pooling change nothing, and the particles are plain masking's."""
     import math
     from collections import Counter
 
@@ -247,23 +251,18 @@ def test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution(llm,
     prompt = tok.encode(PROMPT_TEXT, add_special_tokens=False)
     target, plain_exact = _target(tiny, tuple(prompt))
     distortion = tv(plain_exact, target)
-    runs = []
-    for r in range(40):
-        particles, log_evidence = smc(llm, prompt, {"lark": LARK}, n_particles=8, chunk=2,
-                                      max_tokens=12, seed=r)
-        runs.append((particles, log_evidence))
+    assert distortion > 0.3  # the check can tell the two apart
+    runs = [smc(llm, prompt, {"lark": LARK}, n_particles=32, chunk=1, max_tokens=12, seed=r)
+            for r in range(80)]
     top = max(ev for _, ev in runs)
     ev = [math.exp(e - top) for _, e in runs]
     estimate: Counter = Counter()
     for (particles, _), e in zip(runs, ev):
         for tokens, w in particles:
             estimate[tok.decode(tokens, skip_special_tokens=True)] += e * w / sum(ev)
-    n_eff = int(sum(ev) ** 2 / sum(e * e for e in ev) * 8)
-    print(f"\nSMC: TV to target {tv(estimate, target):.3f} (plain exact {distortion:.3f}), "
-          f"effective particles {n_eff}")
+    print(f"\nSMC: TV to target {tv(estimate, target):.3f} (plain exact {distortion:.3f})")
     assert set(estimate) <= set(target)
-    assert tv(estimate, target) < noise_bound(target, n_eff), (estimate, target)
-    assert noise_bound(target, n_eff) < distortion - 0.05
+    assert tv(estimate, target) < distortion / 2, (estimate, target)
 
 
 def test_awrs_left_to_vllms_draw_samples_as_plain_masking(llm, tiny):
