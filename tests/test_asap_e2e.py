@@ -240,8 +240,9 @@ def test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution(llm,
     here (a few runs carry most of the evidence, their particles share
     ancestors), so no binomial bound describes it; the check is the claim
     itself: the pooled particles stand at most half as far from the target
-    as plain masking's exact distribution does. Weights ignored, resampling
-    and pooling change nothing, and the particles are plain masking's."""
+    as plain masking's exact distribution does. Were the weights ignored,
+    resampling and pooling would change nothing and the particles would be
+    plain masking's samples."""
     import math
     from collections import Counter
 
