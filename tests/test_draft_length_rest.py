@@ -74,6 +74,35 @@ def test_goodput_rests_where_measured_rates_say_drafting_loses():
     assert rested[True] > 300 and rested[False] < 50, rested
 
 
+def test_goodput_compares_modes_as_of_now_on_a_host_whose_load_moves():
+    """Resting is measured while drafts fail on a quiet host; then the host
+    gets twice as slow and drafts start to pay (1.3x resting's rate, at any
+    load). Compared as of now (each mode against the model's promise at its
+    time), the controller wakes and runs at the rate of one that never
+    rests. Compared by absolute rates, the rest measured on the quiet host
+    beats drafting on the slow one, and it rests most of the time."""
+    base = (0.09, 0.007, 0.0, 0.003)
+    for seed in range(2):
+        rates, rests = [], 0
+        for can_rest in (True, False):
+            p = CountingProposer(can_rest=can_rest)
+            c = p.controller
+            w = World(c, batch=1, cost=base, noise=0.05, seed=seed, proposer=p)
+            w.run(0.05, 300)
+            assert not can_rest or c.rest.steps > 150, c.rest.steps
+            w.cost = tuple(2.0 * x for x in base)
+            w.run(0.4, 300)   # the step model's window moves to the new load
+            before, tokens, seconds = c.rest.steps, 0.0, 0.0
+            for _ in range(200):
+                w.step(0.4)
+                tokens += w.m.sum() + 1
+                seconds += w.seconds
+            rates.append(tokens / seconds)
+            rests = rests or c.rest.steps - before
+        assert rests <= 10, (seed, rests)
+        assert rates[0] >= 0.97 * rates[1], (seed, rates)
+
+
 def test_goodput_wakes_for_a_new_request():
     """At batch 1 a rest that began on a request whose drafts are never
     accepted must not roll over the next request, whose context may be

@@ -113,7 +113,8 @@ class GoodputController(EstimatingController):
 
     # ------------------------------------------------------------ observe
     def observe(self, ctx: StepContext) -> Observation:
-        if self.rest.start_step(ctx, self.steps):
+        idle = self._idle_goodput(len(ctx.requests)) if self.cost.warm else float("nan")
+        if self.rest.start_step(ctx, self.steps, idle):
             return self._observe_resting(ctx)
         observation = self._learn(ctx)
         self._observe_cost(ctx)

@@ -29,6 +29,12 @@ class ModeRates:
     in the awake rate, so "rest is faster here" is read from the engine, not
     derived. A step's seconds are its forward and sampling plus its
     proposer's own time; its tokens are what its requests emitted.
+
+    Each mode is also measured against the step model's promise at the time
+    (awake: the rule's prediction; resting: the model's idle rate), so the
+    two are compared as of now: rests are rare, and on a host whose load
+    moves, a rate measured minutes ago says more about the load then than
+    about resting.
     """
 
     _HALF_LIFE = 64.0     # observations of the same (mode, batch) cell
@@ -38,8 +44,11 @@ class ModeRates:
         self.tokens = np.zeros((2, self._CELLS))
         self.seconds = np.zeros((2, self._CELLS))
         self.count = np.zeros((2, self._CELLS))
-        # Awake steps: the tokens the rule's prediction promised in the same time.
-        self.promised = np.zeros(self._CELLS)
+        # The tokens the model promised in the same time, per mode (awake: the
+        # rule's prediction; resting: the idle rate), and the tokens delivered
+        # on those steps.
+        self.promised = np.zeros((2, self._CELLS))
+        self.delivered = np.zeros((2, self._CELLS))
         # Our own seconds per step (top-k extraction and proposer), per mode:
         # reported, not decided on (docs/draft_length_design.md says why).
         self.own = np.zeros((2, self._CELLS))
@@ -57,8 +66,8 @@ class ModeRates:
                 predicted_rate: float = float("nan"), own_seconds: float = float("nan")
                 ) -> None:
         """One step: its tokens and seconds (ours included), ``own_seconds``
-        of them spent on our work, and on an awake step the rule's
-        predicted rate."""
+        of them spent on our work, and the rate the model promised for it
+        (awake: the rule's prediction; resting: the idle rate)."""
         m, c = int(not resting), self.cell(batch)
         d = self._decay
         if own_seconds >= 0 and math.isfinite(own_seconds):
@@ -66,18 +75,21 @@ class ModeRates:
             self.own_count[m, c] = d * self.own_count[m, c] + 1.0
         if not (seconds > 0 and math.isfinite(seconds)):
             return
-        if m == 1:
-            if not math.isfinite(predicted_rate):
-                return   # an awake step without a prediction teaches no bias
-            self.promised[c] = d * self.promised[c] + predicted_rate * seconds
+        if math.isfinite(predicted_rate):
+            self.promised[m, c] = d * self.promised[m, c] + predicted_rate * seconds
+            self.delivered[m, c] = d * self.delivered[m, c] + tokens
+        elif m == 1:
+            return   # an awake step without a prediction teaches no bias
         self.tokens[m, c] = d * self.tokens[m, c] + tokens
         self.seconds[m, c] = d * self.seconds[m, c] + seconds
         self.count[m, c] = d * self.count[m, c] + 1.0
 
-    def bias(self, batch: int) -> float:
-        """Delivered / promised tokens of awake steps at this batch size."""
-        c = self.cell(batch)
-        return float(self.tokens[1, c] / self.promised[c]) if self.promised[c] > 0 else 1.0
+    def bias(self, batch: int, resting: bool = False) -> float:
+        """Delivered / promised tokens of awake (or resting) steps at this
+        batch size; 1 before any was promised."""
+        m, c = int(not resting), self.cell(batch)
+        p = self.promised[m, c]
+        return float(self.delivered[m, c] / p) if p > 0 else 1.0
 
     def own_seconds(self, batch: int) -> tuple[float, float] | None:
         """(resting, awake) seconds of our own work per step at this batch
@@ -191,8 +203,9 @@ class Rest:
         self.left = 0
         self.length = self._REST_MIN
 
-    def start_step(self, ctx: StepContext, step: int) -> bool:
-        """Whether this step rests; measures the step before it."""
+    def start_step(self, ctx: StepContext, step: int, idle: float = float("nan")) -> bool:
+        """Whether this step rests; measures the step before it (a resting
+        one against ``idle``, the model's idle rate for its batch)."""
         self._close_record(ctx)
         was_resting, self.resting = self.resting, False
         if self.left > 0:
@@ -202,7 +215,7 @@ class Rest:
                     and 2 * joined < len(ctx.requests)):
                 self.resting = True
                 self.steps += 1
-                self._record = _mode_record(ctx, True, float("nan"))
+                self._record = _mode_record(ctx, True, idle)
                 self.promised = float("nan")
                 return True
             self.wake()   # the batch it rested on is gone
@@ -228,14 +241,17 @@ class Rest:
                                promised, own_seconds=own)
 
     def beats_drafting(self, batch: int, goodput: float, idle: float, step: int) -> bool:
-        """Whether to rest from this step on. Resting's rate at this batch
-        size is measured; drafting's is the rule's prediction for this
-        decision times the measured ratio of delivered to promised tokens of
-        awake steps (so costs the model misses count, and a change in
-        acceptance counts at once). Unmeasured rest is tried once where the
-        corrected prediction gains less than 2% over the model's idle step."""
-        rest, _, n_rest, n_awake = self.modes.rates(batch)
+        """Whether to rest from this step on. Each mode's rate is the model's
+        promise now, corrected by that mode's measured ratio of delivered to
+        promised tokens at this batch size: drafting's is the rule's
+        prediction for this decision, resting's the model's idle rate
+        (``idle``). So costs the model misses count, a change in acceptance
+        counts at once, and a change in the host's load moves both alike.
+        Unmeasured rest is tried once where the corrected prediction gains
+        less than 2% over the model's idle step."""
+        _, _, n_rest, n_awake = self.modes.rates(batch)
         drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
+        rest = self.modes.bias(batch, resting=True) * idle
         if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
             return drafting < (1.0 - self._REST_MARGIN) * rest
         if (n_rest < self._PROBE_EVIDENCE and drafting < self._REST_PROBE_GAIN * idle
