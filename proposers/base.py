@@ -87,6 +87,17 @@ class PluginProposer:
         ValueError names the options. Called at translation, before any
         model loads, and again in the worker."""
 
+    @classmethod
+    def runner_v2_refusal(cls, options: dict) -> str | None:
+        """Why Model Runner V2 cannot serve this method with these (resolved)
+        options, or None when it can. V2 verifies one chain per request and
+        gives the drafter no hook into the target's layers, so trees and
+        self-drafting stay on the V1 runner while it exists."""
+        if options.get("draft_shape") == "tree":
+            return ("drafts trees, and Model Runner V2 verifies chains only "
+                    "(use draft_shape='chain')")
+        return None
+
     def load_model(self, target_model: Any) -> None:
         """Nothing to load: no draft model of our own. The target is never kept
         as ``self.model``, which vLLM reads as a drafter's own model

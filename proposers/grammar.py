@@ -139,6 +139,18 @@ class GrammarProposer(PluginProposer):
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
 
+    @classmethod
+    def runner_v2_refusal(cls, options: dict) -> str | None:
+        name, inner_opts = parse_inner(options.get("inner"))
+        if name is None:
+            return None
+        from vllm_plugins.options import resolve
+        from vllm_plugins.registry import METHODS
+
+        inner = METHODS[name].proposer_class()
+        why = inner.runner_v2_refusal(resolve(name, inner.OPTIONS, inner_opts))
+        return None if why is None else f"its inner '{name}' {why}"
+
     def __init__(self, vllm_config: Any = None, options: dict | None = None,
                  vocab_size: int | None = None, tokenizer: Any = None):
         super().__init__(vllm_config, options, vocab_size)

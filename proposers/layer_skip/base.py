@@ -91,6 +91,12 @@ class SelfDraftProposer(PluginProposer):
                 "0 (full vocabulary) or a shortlist size in [1, 1048576]"),
     )
 
+    @classmethod
+    def runner_v2_refusal(cls, options: dict) -> str | None:
+        return ("drafts with the target's own layers over its paged KV cache, "
+                "which the bridge reaches through the V1 runner's attention "
+                "metadata only")
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         size = self.options["draft_vocab"]

@@ -35,15 +35,10 @@ def wrap_create_speculative_config(original):
 
 
 def refuse_unsafe(method: str, speculative_config, parallel_config) -> None:
-    """Combinations our methods cannot serve exactly, refused by name."""
-    import vllm.envs as envs
-
+    """Combinations our methods cannot serve exactly, refused by name.
+    (Which model runner serves them is vLLM's choice, informed by
+    ``bridge.v2.gate``.)"""
     where = f"speculative method '{method}' (vllm-plugins)"
-    if envs.VLLM_USE_V2_MODEL_RUNNER:
-        raise ValueError(
-            f"{where} runs on vLLM's V1 model runner, which the plugin's bridge "
-            "extends; VLLM_USE_V2_MODEL_RUNNER=1 selects the V2 runner, where it "
-            "cannot draft. Unset VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
     sample_method = getattr(speculative_config, "rejection_sample_method", "standard")
     if sample_method != "standard":
         raise ValueError(

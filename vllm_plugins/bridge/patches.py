@@ -13,14 +13,36 @@ from __future__ import annotations
 from vllm_plugins.bridge import (config, cpu_fixes, grammar_front, grammar_hold, runner,
                                  verify_processors)
 from vllm_plugins.bridge.patching import Patch
+from vllm_plugins.bridge.v2 import gate as v2_gate
+from vllm_plugins.bridge.v2 import speculator as v2_speculator
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _PINS = "tests/test_bridge_pins.py::"
 _CPU_PINS = "tests/test_bridge_pins_cpu.py::"
 _PROCESSOR_PINS = "tests/test_bridge_pins_processors.py::"
+_V2_PINS = "tests/test_bridge_pins_v2.py::"
+_V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
 
 PATCHES: tuple[Patch, ...] = (
+    Patch("v2.runner_gate",
+          "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",
+          "Model Runner V2 serves our methods where it can; where it cannot, "
+          "vLLM's own fallback to V1 (or refusal under VLLM_USE_V2_MODEL_RUNNER=1) "
+          "names our method and the reason",
+          _V2_PINS + "test_runner_choice_reads_the_unsupported_features",
+          v2_gate.wrap_unsupported_features),
+    Patch("v2.init_speculator", _V2_RUNNER + ":init_speculator",
+          "V2 builds its drafter from a fixed list of vLLM's methods; ours "
+          "becomes a BaseSpeculator around our proposer",
+          _V2_PINS + "test_v2_runner_builds_its_drafter_through_init_speculator",
+          v2_speculator.wrap_init_speculator),
+    Patch("v2.load_model", _V2_RUNNER + ":GPUModelRunner.load_model",
+          "after V2 built its samplers: our taps on them (the target's top-k "
+          "at verified rows, each request's sampling parameters) and the "
+          "target handed to our proposer",
+          _V2_PINS + "test_v2_runner_samples_through_its_sampler_attributes",
+          v2_speculator.wrap_load_model),
     Patch("config.speculative_method",
           "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
           "our method names become vLLM's custom_class route; our options are "
@@ -229,10 +251,14 @@ RELIED_ON: tuple[str, ...] = (
     "vllm._custom_ops:cpu_attn_get_scheduler_metadata",
     "vllm.v1.attention.backends.cpu_attn:_get_attn_isa",
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionMetadataBuilder.__init__",
-    # The route runs on the V1 runner only through this fallback
-    # (tests/test_bridge_pins_runner.py).
-    "vllm.config.vllm:VllmConfig._get_v2_model_runner_unsupported_features",
+    # Which runner serves an engine (bridge/v2/gate.py).
     "vllm.config.vllm:VllmConfig.use_v2_model_runner",
+    # The V2 drafter's interface and what it reads (bridge/v2/).
+    "vllm.v1.worker.gpu.spec_decode.speculator:BaseSpeculator",
+    "vllm.v1.worker.gpu.states:RequestState",
+    "vllm.v1.worker.gpu.input_batch:InputBatch",
+    _V2_RUNNER + ":GPUModelRunner.sample_tokens",
+    _V2_RUNNER + ":GPUModelRunner.sample",
 )
 
 

@@ -1,0 +1,200 @@
+"""Our proposers as a Model Runner V2 drafter.
+
+``PluginSpeculator`` is the ``BaseSpeculator`` V2's ``init_speculator``
+builds for our methods (patch ``v2.init_speculator``). Each step, after V2
+has sampled and appended the step's tokens, ``propose`` builds the
+``StepContext`` (``context``), calls the same ``PluginProposer.step`` the V1
+runner calls, checks the drafts where they enter (``vllm_plugins.tree.checked``)
+and returns them as V2 wants them: ``[num_reqs, k]`` token ids.
+
+V2 verifies k tokens of every request every step (its scheduler reserves
+them and sees placeholders), so a request's shorter draft is padded: with
+its last token, repeated. Any token is an exact draft (verification is
+vLLM's), and the padding is verified at no extra cost to the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from vllm_plugins.bridge import ranks
+from vllm_plugins.bridge.state import RunnerState, attach
+from vllm_plugins.bridge.v2.context import (RequestBook, StepTimes, VerifiedTopk,
+                                            build_context)
+from vllm_plugins.bridge.v2.taps import tap_samplers
+from vllm_plugins.topk import topk_logprobs
+
+logger = logging.getLogger("vllm_plugins")
+
+
+def _base():
+    from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+
+    return BaseSpeculator
+
+
+class PluginSpeculator:
+    """Built by ``make_speculator`` as a subclass of vLLM's BaseSpeculator
+    (imported lazily: the bridge loads before V2's modules are needed)."""
+
+    supports_mm_inputs = False
+    num_query_per_req = 1
+    num_extra_query_per_req = 0
+
+    def __init__(self, vllm_config, device, req_states, proposer):
+        spec = vllm_config.speculative_config
+        self.proposer = proposer
+        self.device = device
+        self.req_states = req_states
+        self.num_speculative_steps = int(spec.num_speculative_tokens)
+        # None: our drafts are verified as deterministic (one-hot) by V2's
+        # rejection sampler.
+        self.draft_logits = None
+        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        # Read by V2's adaptive verification only (off for our methods).
+        self.draft_token_confidence_probs = torch.zeros(
+            max_num_reqs, self.num_speculative_steps, dtype=torch.float32, device=device)
+        self.book = RequestBook()
+        # Our one state object on the runner (``attach``): counters, digests.
+        self.state = RunnerState(proposer=proposer)
+        self.pcp_manager = None
+        self._topk: VerifiedTopk | None = None
+        self._topk_seconds = 0.0
+        self._propose_end: float | None = None
+        self._propose_seconds: float | None = None
+
+    # ------------------------------------------------------------ V2's calls
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """Nothing to capture: the host route drafts outside any graph."""
+
+    def capture(self) -> None:
+        pass
+
+    def attach(self, runner) -> None:
+        """After V2's ``load_model``: our taps on its samplers, the target
+        handed to the proposer as V1's custom_class route does."""
+        tap_samplers(runner, self)
+        self.state = attach(runner, self.proposer)
+        self.proposer.load_model(runner.model)
+        ranks.join_tensor_parallel()
+
+    def observe_logits(self, logits: torch.Tensor, input_batch) -> None:
+        k = self.proposer.topk_wanted()
+        self._topk = None
+        self._topk_seconds = 0.0
+        if k <= 0 or logits is None or logits.shape[0] == 0:
+            return
+        start = time.perf_counter()
+        with torch.no_grad():
+            lps, ids = topk_logprobs(logits, k)
+        self._topk = VerifiedTopk(ids, lps)
+        self._topk_seconds = time.perf_counter() - start
+
+    def observe_params(self, req_index: int, sampling_params) -> None:
+        self.book.params_by_index[int(req_index)] = sampling_params
+
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs=None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        num_reqs = int(input_batch.num_reqs)
+        k = self.num_speculative_steps
+        if dummy_run or is_profile:
+            return torch.zeros(num_reqs, k, dtype=torch.int64, device=self.device)
+        now = time.perf_counter()
+        step_seconds = None if self._propose_end is None else now - self._propose_end
+        step_seconds, propose_seconds, topk_seconds = ranks.first_rank_values(
+            step_seconds, self._propose_seconds, self._topk_seconds)
+        topk, self._topk = self._topk, None
+        ctx = build_context(self.req_states, input_batch, num_sampled, topk, self.book,
+                            self.proposer.max_draft,
+                            StepTimes(step_seconds, propose_seconds, topk_seconds))
+        self.state.counters.count([list(r.accepted) for r in ctx.requests],
+                            [r.num_draft for r in ctx.requests])
+        start = time.perf_counter()
+        drafts = self.proposer.step(ctx)
+        self._propose_seconds = time.perf_counter() - start
+        tokens = self._checked_chains(ctx, drafts)
+        if self.state.digest is not None:
+            self.state.digest.add(ctx, tokens, drafts.probs)
+        out = self._padded(ctx, tokens, k)
+        self._propose_end = time.perf_counter()
+        return torch.from_numpy(out).to(self.device)
+
+    # ------------------------------------------------------------ drafts out
+    def _checked_chains(self, ctx, drafts) -> list[list[int]]:
+        """Each request's draft as a chain (a tree's first path: V2 verifies
+        chains), a malformed one dropped and counted."""
+        from vllm_plugins.tree.checked import drop_malformed
+        from vllm_plugins.bridge.tree_step import chain_length
+
+        req_ids = [r.req_id for r in ctx.requests]
+        drafts, bad = drop_malformed(drafts, req_ids, self.proposer.vocab_size)
+        if bad:
+            self.state.counters.malformed_drafts += len(bad)
+            logger.error("%s proposed a malformed draft for request %s (%s); such "
+                         "drafts are dropped", type(self.proposer).__name__, *bad[0])
+        parents = drafts.parents or [None] * len(drafts.tokens)
+        return [list(t) if p is None else list(t[:chain_length(p)])
+                for t, p in zip(drafts.tokens, parents)]
+
+    @staticmethod
+    def _padded(ctx, tokens: list[list[int]], k: int) -> np.ndarray:
+        out = np.empty((len(ctx.requests), k), dtype=np.int64)
+        for b, (req, draft) in enumerate(zip(ctx.requests, tokens)):
+            draft = draft[:k]
+            last = draft[-1] if draft else (int(req.context[-1]) if len(req.context) else 0)
+            out[b, :len(draft)] = draft
+            out[b, len(draft):] = last
+        return out
+
+
+_SUBCLASS = None
+
+
+def make_speculator(vllm_config, device, req_states):
+    """Our proposer (built as vLLM's custom_class route builds it) inside a
+    V2 drafter."""
+    global _SUBCLASS
+    if _SUBCLASS is None:
+        _SUBCLASS = type("PluginSpeculatorV2", (PluginSpeculator, _base()), {})
+    from vllm_plugins.registry import METHODS, PLUGIN_OPTIONS_ATTR
+
+    options = getattr(vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR)
+    proposer = METHODS[options["method"]].proposer_class()(vllm_config)
+    return _SUBCLASS(vllm_config, device, req_states, proposer)
+
+
+def wrap_init_speculator(original):
+    # vllm.v1.worker.gpu.model_runner.init_speculator(vllm_config, device,
+    #     req_states): imported by name into V2's model_runner, called from
+    #     GPUModelRunner.__init__ on the last pipeline stage.
+    def init_speculator(vllm_config, device, req_states):
+        from vllm_plugins.bridge.v2.gate import plugin_options
+
+        if plugin_options(vllm_config) is None:
+            return original(vllm_config, device, req_states)
+        return make_speculator(vllm_config, device, req_states)
+
+    init_speculator.__wrapped__ = original
+    return init_speculator
+
+
+def wrap_load_model(original):
+    # vllm.v1.worker.gpu.model_runner.GPUModelRunner.load_model(self, ...):
+    # builds self.model, self.sampler and self.rejection_sampler.
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        speculator = getattr(self, "speculator", None)
+        if isinstance(speculator, PluginSpeculator):
+            speculator.attach(self)
+        return out
+
+    load_model.__wrapped__ = original
+    return load_model
