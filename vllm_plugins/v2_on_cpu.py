@@ -46,6 +46,21 @@ def enable() -> None:
     from triton.backends.compiler import BaseBackend
 
     backends.setdefault("cpu", Backend(compiler=BaseBackend, driver=_StandInDriver))
+    _interpretable_libdevice()
+
+
+def _interpretable_libdevice() -> None:
+    """Triton's interpreter runs ``triton.language`` but not the device
+    library's externs, which V2's rejection sampler calls where drafts carry
+    probabilities (``tldevice.log1p`` in its residual). The one it needs is
+    given in ``triton.language`` terms, for the interpreter only."""
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    def log1p(x):
+        return tl.log(1.0 + x)
+
+    libdevice.log1p = log1p
 
 
 def enable_from_env() -> bool:

@@ -180,6 +180,12 @@ def engine_stats(llm) -> dict:
     return llm.llm_engine.collective_rpc("vllm_plugins_stats")[0]
 
 
+def model_runner(llm):
+    """The model runner of an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    return executor.driver_worker.worker.model_runner
+
+
 def resolve_model(model: str | None) -> str:
     """``--model`` when given, else the embedded default model, so that every
     benchmark runs as it comes, with no download and no path to pass."""

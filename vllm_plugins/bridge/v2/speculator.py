@@ -51,10 +51,13 @@ class PluginSpeculator:
         self.device = device
         self.req_states = req_states
         self.num_speculative_steps = int(spec.num_speculative_tokens)
-        # None: our drafts are verified as deterministic (one-hot) by V2's
-        # rejection sampler.
+        # V2's rejection sampler reads this next step: None verifies every
+        # draft as deterministic (one-hot); a step whose drafts carry
+        # probabilities (STAND's) sets it to ``_draft_logit_rows``.
         self.draft_logits = None
+        self._draft_logit_rows: torch.Tensor | None = None
         max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.max_num_reqs = max_num_reqs
         # Read by V2's adaptive verification only (off for our methods).
         self.draft_token_confidence_probs = torch.zeros(
             max_num_reqs, self.num_speculative_steps, dtype=torch.float32, device=device)
@@ -124,6 +127,7 @@ class PluginSpeculator:
         if self.state.digest is not None:
             self.state.digest.add(ctx, tokens, drafts.probs)
         out = self._padded(ctx, tokens, k)
+        self.draft_logits = self._draft_logits(ctx, input_batch, drafts, tokens, out)
         self._propose_end = time.perf_counter()
         return torch.from_numpy(out).to(self.device)
 
@@ -144,6 +148,26 @@ class PluginSpeculator:
         return [list(t) if p is None else list(t[:chain_length(p)])
                 for t, p in zip(drafts.tokens, parents)]
 
+    def _draft_logits(self, ctx, input_batch, drafts, tokens, out) -> torch.Tensor | None:
+        """The rows V2's rejection sampler reads next step, by request state
+        index (``draft_logits_block``); None when no draft of the step has
+        probabilities, as on the V1 route."""
+        probs = drafts.probs
+        if probs is None or not any(p is not None and len(p) for p in probs[:len(tokens)]):
+            return None
+        rows = self._draft_logit_rows
+        if rows is None:
+            rows = self._draft_logit_rows = torch.empty(
+                self.max_num_reqs, out.shape[1], int(self.proposer.vocab_size),
+                dtype=torch.float32, device=self.device)
+        index = torch.as_tensor(input_batch.idx_mapping_np[:len(tokens)], dtype=torch.int64)
+        lengths = [len(t) for t in tokens]
+        temperatures = [r.temperature for r in ctx.requests]
+        block = draft_logits_block(out, list(probs[:len(tokens)]), lengths, temperatures,
+                                   rows.shape[2])
+        rows[index.to(self.device)] = block.to(self.device)
+        return rows
+
     @staticmethod
     def _padded(ctx, tokens: list[list[int]], k: int) -> np.ndarray:
         out = np.empty((len(ctx.requests), k), dtype=np.int64)
@@ -153,6 +177,27 @@ class PluginSpeculator:
             out[b, :len(draft)] = draft
             out[b, len(draft):] = last
         return out
+
+
+def draft_logits_block(padded: np.ndarray, probs: list, lengths: list[int],
+                       temperatures: list[float], vocab: int) -> torch.Tensor:
+    """``[requests, k, vocab]`` pre-temperature draft logits, as V2's
+    rejection sampler reads them: it takes a draft's distribution as
+    ``softmax(logits / T)`` with the request's temperature T, so a
+    proposer's probability row p becomes ``T log p`` (zeros: -inf).
+    Deterministic drafts, padding and greedy requests (which V2 verifies by
+    argmax, never reading these) are one-hot: 0 at the token, -inf elsewhere.
+    """
+    block = torch.full((padded.shape[0], padded.shape[1], vocab), float("-inf"))
+    block.scatter_(2, torch.from_numpy(np.ascontiguousarray(padded)).unsqueeze(-1), 0.0)
+    for b, p in enumerate(probs):
+        n = min(lengths[b], padded.shape[1], 0 if p is None else len(p))
+        if n == 0 or temperatures[b] <= 0:
+            continue
+        with np.errstate(divide="ignore"):
+            logp = np.log(np.asarray(p[:n], dtype=np.float64))
+        block[b, :n] = torch.from_numpy(temperatures[b] * logp).to(torch.float32)
+    return block
 
 
 _SUBCLASS = None

@@ -1,0 +1,101 @@
+"""Our methods on Model Runner V2, vLLM's default runner, end to end.
+
+The engines run in a process of their own with V2 switched on for this CPU
+(tests/v2_engines.py, ``vllm_plugins.v2_on_cpu``): V2's Triton kernels run
+in Triton's interpreter, so outputs are short and the model is the tiny one
+where exactness alone is checked. The reference is plain decoding on V2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.v2_engines import V1_METHODS, V2_METHODS
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_scenario(name: str, tmp_path) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.v2_engines", name, str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("V2_ENGINES_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def greedy(tmp_path_factory):
+    return run_scenario("greedy", tmp_path_factory.mktemp("v2"))
+
+
+def test_plain_decoding_runs_on_v2(greedy):
+    assert greedy["plain"]["runner"] == "v2"
+
+
+@pytest.mark.parametrize("method", sorted(V2_METHODS))
+def test_greedy_output_on_v2_is_plain_decodings(greedy, method):
+    got = greedy[method]
+    assert got["runner"] == "v2", got["runner"]
+    assert got["tokens"] == greedy["plain"]["tokens"]
+    stats = got["stats"]
+    assert stats["proposer"]["num_errors"] == 0
+    assert stats["malformed_drafts"] == 0
+
+
+def test_drafts_are_verified_and_accepted_on_v2(greedy):
+    stats = greedy["token_recycling"]["stats"]
+    # Forwards: one per step; drafts accepted make it fewer than tokens.
+    assert stats["accepted"] > 0 and stats["steps"] < stats["tokens"]
+
+
+@pytest.mark.parametrize("method", sorted(V1_METHODS))
+def test_what_v2_cannot_serve_falls_back_to_v1(greedy, method):
+    assert greedy[method]["runner"] == "v1"
+    assert greedy[method]["tokens"] == greedy["plain"]["tokens"]
+
+
+def goodness_of_fit_pvalue(counts, probs, min_expected=5.0) -> float:
+    """Chi-square of observed counts against exact probabilities; cells
+    expected fewer than ``min_expected`` times are pooled."""
+    import numpy as np
+    import torch
+
+    counts, probs = np.asarray(counts, float), np.asarray(probs, float)
+    expected = probs * counts.sum()
+    small = expected < min_expected
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory):
+    return run_scenario("draft_logits", tmp_path_factory.mktemp("v2"))
+
+
+def test_draft_probabilities_reach_v2s_rejection_sampler_exactly(verified):
+    """Drafts drawn from p, their rows handed over as the V2 drafter hands
+    STAND's (``draft_logits_block``), verified by V2's own kernels: the
+    output follows the target."""
+    honest = verified["honest"]
+    assert honest["accepted"] > 0.2 * sum(honest["counts"])  # drafts were verified
+    p = goodness_of_fit_pvalue(honest["counts"], verified["target"])
+    assert p > 1e-3, p
+
+
+def test_the_same_check_catches_rows_that_misstate_the_draft(verified):
+    p = goodness_of_fit_pvalue(verified["dishonest"]["counts"], verified["target"])
+    assert p < 1e-6, p

@@ -1,0 +1,159 @@
+"""Engines on Model Runner V2, in a process of their own (the tests' V2 switch).
+
+Triton must see its stand-in CPU backend and ``TRITON_INTERPRET=1`` before
+it or vLLM is first imported (``vllm_plugins.v2_on_cpu``), which a pytest
+worker that already ran other tests cannot promise. So tests/test_v2_e2e.py
+runs this module as a script, one process a scenario with its engines one
+after the other, and reads back one JSON object:
+
+    python -m tests.v2_engines greedy   # tiny model: every method vs plain V2
+    python -m tests.v2_engines draft_logits  # V2's rejection sampler, our rows
+
+V2's own kernels run in Triton's interpreter here, so the scenarios keep to
+short outputs; the tiny model is enough where only exactness is asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from vllm_plugins.v2_on_cpu import enable
+
+# Every method V2 serves, as a chain (V2 verifies chains).
+V2_METHODS = {
+    "token_recycling": {"method": "token_recycling"},
+    "stand": {"method": "stand"},
+    "hybrid": {"method": "hybrid", "draft_shape": "chain"},
+    "ngram_adaptive": {"method": "ngram_adaptive"},
+    "grammar_forced": {"method": "grammar_forced", "inner": "token_recycling"},
+}
+# Served by V1 while it exists (bridge/v2/gate.py says why).
+V1_METHODS = {"swift": {"method": "swift"}}
+NUM_SPECULATIVE_TOKENS = 4
+GREEDY_TOKENS = 24
+
+
+def runner_of(llm) -> str:
+    """``v2`` or ``v1``: the class of the worker's model runner."""
+    from vllm_plugins.bench.engines import model_runner
+
+    module = type(model_runner(llm)).__module__
+    return "v2" if module.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
+
+
+def tiny_prompts() -> list[list[int]]:
+    # Token ids (no tokenizer needed): a repeating pattern the tiny model's
+    # output follows in runs (drafts accepted) and noise.
+    return [[1, 2, 3, 4, 5, 6] * 4, [100, 200, 300], [7, 7, 7, 7, 7, 7, 7],
+            [4000, 41, 4000, 41, 4000, 41, 4000], [11, 12, 13, 14, 15, 16, 17, 18]]
+
+
+def greedy(tmp: str) -> dict:
+    from vllm import SamplingParams
+
+    from tests.tiny_model import tiny_llama
+    from vllm_plugins.bench.engines import build_engine, engine_stats, shutdown_all
+
+    path = tiny_llama(os.path.join(tmp, "tiny"), tie_word_embeddings=True,
+                      initializer_range=0.05)
+    prompts = [{"prompt_token_ids": p} for p in tiny_prompts()]
+    params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    # A request that caps its own drafts (per-request options) rides along.
+    capped = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                            extra_args={"speculation": {"max_draft": 1}})
+    out: dict = {}
+    methods = {"plain": None, **V2_METHODS, **V1_METHODS}
+    for name, spec in methods.items():
+        if spec is not None:
+            spec = {**spec, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                    "draft_length": "fixed"}
+        llm = build_engine(path, spec, max_num_seqs=8, max_model_len=512)
+        try:
+            # Plain decoding refuses the per-request options (it has no drafts
+            # to cap); its output for that prompt is the same either way.
+            last = capped if spec is not None else params
+            results = llm.generate(prompts + prompts[:1], [params] * len(prompts) + [last],
+                                   use_tqdm=False)
+            out[name] = {"runner": runner_of(llm),
+                         "tokens": [list(r.outputs[0].token_ids) for r in results],
+                         "stats": engine_stats(llm) if spec else {}}
+        finally:
+            shutdown_all([llm])
+    return out
+
+
+# The sampled-output check of draft probabilities on V2: one draft per
+# request, drawn from the proposer's row p, verified by V2's own rejection
+# sampler against the target; the output token must follow the target.
+VERIFY_VOCAB = 12
+VERIFY_TRIALS = 3000
+VERIFY_TEMPERATURE = 0.7
+
+
+def verify_rows() -> tuple:
+    """(target logits before temperature, the draft rows p, their dishonest
+    stand-in: uniform on p's support), fixed so the test can enumerate them."""
+    import numpy as np
+
+    gen = np.random.default_rng(5)
+    target = gen.normal(0.0, 1.5, VERIFY_VOCAB)
+    p = gen.dirichlet(np.full(VERIFY_VOCAB, 0.6))
+    p[p < 0.02] = 0.0
+    p /= p.sum()
+    uniform = (p > 0) / (p > 0).sum()
+    return target, p, uniform
+
+
+def draft_logits(_tmp: str) -> dict:
+    """V2's ``rejection_sample`` on draft rows built as the V2 drafter
+    builds them (``draft_logits_block``): the honest rows, and rows that
+    claim uniform while drafts are drawn from p (the control)."""
+    import numpy as np
+    import torch
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler_utils import rejection_sample
+
+    from vllm_plugins.bridge.v2.speculator import draft_logits_block
+
+    target, p, uniform = verify_rows()
+    n, T = VERIFY_TRIALS, VERIFY_TEMPERATURE
+    gen = np.random.default_rng(11)
+    drafts = gen.choice(VERIFY_VOCAB, size=n, p=p)
+    out = {}
+    for name, row in (("honest", p), ("dishonest", uniform)):
+        block = draft_logits_block(drafts.reshape(n, 1), [row[None, :]] * n, [1] * n,
+                                   [T] * n, VERIFY_VOCAB)
+        # Two logits rows a request: its draft's, then the bonus; the
+        # target's rows as V2's sampler leaves them (temperature applied).
+        logits = torch.tensor(target / T, dtype=torch.float32).repeat(2 * n, 1).contiguous()
+        sampled_in = torch.stack([torch.zeros(n, dtype=torch.int64),
+                                  torch.from_numpy(drafts)], 1).reshape(-1)
+        sampled, _num = rejection_sample(
+            logits, block.contiguous(), sampled_in,
+            torch.arange(0, 2 * n + 1, 2, dtype=torch.int32),
+            torch.tensor([10, 11] * n, dtype=torch.int64),
+            torch.arange(n, dtype=torch.int64),
+            torch.arange(n, dtype=torch.int64).repeat_interleave(2),
+            torch.tensor([0, 1] * n, dtype=torch.int32),
+            torch.full((n,), T, dtype=torch.float32),
+            torch.arange(1000, 1000 + n, dtype=torch.int64),
+            1)
+        first = sampled[:, 0].numpy()
+        out[name] = {"counts": np.bincount(first, minlength=VERIFY_VOCAB).tolist(),
+                     "accepted": int((first == drafts).sum())}
+    out["target"] = (np.exp(target / T) / np.exp(target / T).sum()).tolist()
+    return out
+
+
+def main() -> None:
+    enable()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    scenario, tmp = sys.argv[1], sys.argv[2]
+    result = {"greedy": greedy, "draft_logits": draft_logits}[scenario](tmp)
+    print("V2_ENGINES_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
