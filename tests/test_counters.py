@@ -1,0 +1,48 @@
+"""Our /metrics counters: every one documented, reports that add up.
+
+The path through vLLM is pinned in tests/test_bridge_pins_metrics.py and
+run on a real server in tests/test_data_parallel_server_e2e.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from vllm_plugins.bridge.counters import METRICS, PREFIX, add, collect, growth
+from vllm_plugins.bridge.state import RunnerState
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def test_docs_list_every_metric_and_no_other():
+    rows = re.findall(r"^\| `(vllm_plugins:\w+?)_total(?:\{(\w+)\})?` \|", DOC.read_text(),
+                      flags=re.M)
+    assert rows == [(PREFIX + m.name, m.label or "") for m in METRICS]
+
+
+class Proposer:
+    """What collect reads of a proposer: its declared counters()."""
+
+    def __init__(self):
+        self.totals = {"proposer_errors": {"": 1}, "source_errors": {"ngram": 2},
+                       "not_a_metric": {"": 9}}
+
+    def counters(self):
+        return self.totals
+
+
+def test_reports_carry_growth_that_adds_up_to_the_totals():
+    state = RunnerState(proposer=Proposer())
+    state.counters.steps = 4
+    first = collect(state)
+    assert first["steps"] == {"": 4}
+    assert first["source_errors"] == {"ngram": 2}
+    assert "not_a_metric" not in first  # only declared metrics travel
+    state.counters.steps = 7
+    state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 1}
+    second = collect(state)
+    grown = growth(second, first)
+    assert grown == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
+    assert add(add({}, growth(first, {})), grown)["steps"] == {"": 7}
+    assert growth(second, second) == {}
