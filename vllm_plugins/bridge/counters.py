@@ -27,6 +27,7 @@ path through ``report``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +146,6 @@ def wrap_worker_sample_tokens(original):
     # -> ModelRunnerOutput | AsyncModelRunnerOutput (the CPU worker's too):
     # the step's output, which the executor takes from the output rank and
     # hands to the scheduler's update_from_output.
-    import functools
-
     @functools.wraps(original)
     def sample_tokens(self, grammar_output):
         out = original(self, grammar_output)
@@ -211,8 +210,6 @@ def wrap_stat_logger_manager(original):
     # self.stat_loggers (AggregateStatLoggerBase instances) and
     # self.engine_indexes; its record() then passes every engine's
     # SchedulerStats to each logger's record(..., engine_idx=).
-    import functools
-
     @functools.wraps(original)
     def __init__(self, vllm_config, *args, **kwargs):
         original(self, vllm_config, *args, **kwargs)
