@@ -46,3 +46,23 @@ def test_reports_carry_growth_that_adds_up_to_the_totals():
     assert grown == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
     assert add(add({}, growth(first, {})), grown)["steps"] == {"": 7}
     assert growth(second, second) == {}
+
+
+def test_proposers_declare_only_known_metrics():
+    from vllm_plugins.bridge.counters import BY_NAME
+    from vllm_plugins.proposers.grammar import GrammarProposer
+    from vllm_plugins.proposers.hybrid import HybridProposer
+
+    hybrid = HybridProposer(None, {"sources": ["token_recycling", "ngram"]},
+                            vocab_size=64)
+    grammar = GrammarProposer(None, options={"inner": {"method": "token_recycling"}},
+                              vocab_size=64)
+    for proposer in (hybrid, grammar):
+        counters = proposer.counters()
+        assert set(counters) <= set(BY_NAME), set(counters) - set(BY_NAME)
+        assert counters["proposer_errors"] == {"": 0}
+    assert set(hybrid.counters()["source_errors"]) == {"token_recycling", "ngram"}
+    assert {"rest_steps", "zero_draft_decisions"} <= set(hybrid.counters())  # goodput
+    assert grammar.counters()["grammar_forced_tokens"] == {"": 0}
+    hybrid.num_errors = 2
+    assert collect(RunnerState(proposer=hybrid))["proposer_errors"] == {"": 2}
