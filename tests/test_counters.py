@@ -66,3 +66,19 @@ def test_proposers_declare_only_known_metrics():
     assert grammar.counters()["grammar_forced_tokens"] == {"": 0}
     hybrid.num_errors = 2
     assert collect(RunnerState(proposer=hybrid))["proposer_errors"] == {"": 2}
+
+
+def test_the_scheduler_adds_grammar_failures_to_the_steps_stats():
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge.counters import OUTPUT_ATTR, STATS_FIELD, to_scheduler_stats
+
+    stats = SimpleNamespace(**{STATS_FIELD: None})
+    outputs = {0: SimpleNamespace(scheduler_stats=None),
+               1: SimpleNamespace(scheduler_stats=stats)}
+    worker = SimpleNamespace(**{OUTPUT_ATTR: {"steps": {"": 1}}})
+    to_scheduler_stats(outputs, worker, grammar_failures=2)
+    assert getattr(stats, STATS_FIELD) == {"steps": {"": 1}, "grammar_failures": {"": 2}}
+    to_scheduler_stats(outputs, SimpleNamespace(), grammar_failures=0)  # nothing grew
+    to_scheduler_stats(outputs, worker)
+    assert getattr(stats, STATS_FIELD)["steps"] == {"": 2}
