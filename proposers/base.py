@@ -204,6 +204,17 @@ class PluginProposer:
             out["draft_length"] = self.controller.stats()
         return out
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Totals that only grow, for the server's ``/metrics``: {metric:
+        {label value: total}}, "" where the metric has no label of its own.
+        The bridge reads them after every step, so they are plain reads
+        (``metrics()`` is the full, costlier report); the metric names are
+        declared in ``vllm_plugins.bridge.counters.METRICS``."""
+        out = {"proposer_errors": {"": self.num_errors}}
+        if self.controller is not None:
+            out.update(self.controller.counters())
+        return out
+
     def _make_controller(self):
         name = self.options["draft_length"]
         if name == "fixed":

@@ -200,6 +200,16 @@ class GrammarProposer(PluginProposer):
     def free(self, req_id: str) -> None:
         self._states.pop(req_id, None)
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        out = self.inner.counters() if self.inner is not None else {}
+        out["proposer_errors"] = {"": self.num_errors + out.get("proposer_errors", {}).get("", 0)}
+        if self.controller is not None:
+            out.update(self.controller.counters())
+        out["grammar_forced_tokens"] = {"": self.counts["forced_tokens"]}
+        out["grammar_lost_requests"] = {"": self.counts["grammar_lost"]}
+        out["grammar_unusable_requests"] = {"": self.counts["grammar_unusable"]}
+        return out
+
     def metrics(self) -> dict:
         out = super().metrics()
         out.update(self.counts)

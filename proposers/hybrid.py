@@ -287,6 +287,14 @@ class HybridProposer(PluginProposer):
         for k, s in enumerate(self.sources):
             self._guard(k, "free", s.free, req_id)
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        out = super().counters()
+        for metric, values in (("source_draft_nodes", self.source_nodes),
+                               ("source_accepted_tokens", self.source_accepted),
+                               ("source_errors", self.source_errors)):
+            out[metric] = {name: int(values[k]) for k, name in enumerate(self.source_names)}
+        return out
+
     def metrics(self) -> dict:
         out = super().metrics()
         out["request_errors"] = self.request_errors

@@ -22,15 +22,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def post(url: str, body: dict) -> tuple[int, dict]:
+def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict]:
     req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        url, data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def scrape(base: str, prefix: str) -> dict[tuple[str, tuple], float]:
+    """The server's /metrics samples whose name starts with ``prefix``:
+    {(name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name.startswith(prefix)}
 
 
 @contextlib.contextmanager

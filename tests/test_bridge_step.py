@@ -171,10 +171,20 @@ def test_unsafe_combinations_are_refused_at_start_up():
     for method in ("token_recycling", "stand", "swift", "del"):
         refuse_unsafe(method, spec_config(method),
                       SimpleNamespace(**{**vars(one), "tensor_parallel_size": 2}))
-    for name in ("pipeline_parallel_size", "data_parallel_size"):
-        with pytest.raises(ValueError, match=f"{name}=2"):
-            refuse_unsafe("stand", spec_config("stand"),
-                          SimpleNamespace(**{**vars(one), name: 2}))
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2"):
+        refuse_unsafe("stand", spec_config("stand"),
+                      SimpleNamespace(**{**vars(one), "pipeline_parallel_size": 2}))
+    # Data parallel: served by methods that draft from tokens and logits,
+    # refused by those that run the target's layers to draft.
+    data_parallel = SimpleNamespace(**{**vars(one), "data_parallel_size": 2})
+    for method, extra in (("token_recycling", {}), ("stand", {}), ("hybrid", {}),
+                          ("ngram_adaptive", {}),
+                          ("grammar_forced", {"inner": "token_recycling"})):
+        refuse_unsafe(method, spec_config(method, **extra), data_parallel)
+    for method, extra in (("swift", {}), ("del", {}),
+                          ("grammar_forced", {"inner": {"method": "del"}})):
+        with pytest.raises(ValueError, match="data_parallel_size=2: a self-drafting"):
+            refuse_unsafe(method, spec_config(method, **extra), data_parallel)
     lossy = spec_config("token_recycling")
     lossy.rejection_sample_method = "fly"
     with pytest.raises(ValueError, match="rejection_sample_method 'fly'"):

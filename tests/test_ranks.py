@@ -72,8 +72,8 @@ def test_first_rank_clock_gives_every_rank_rank_zeros_reads():
     assert got[1][1] < got[0][1] <= got[1][0][0]
 
 
-def _ctx(history, seconds=0.01):
-    req = RequestStep(req_id="r0", accepted=np.array([history[-1]]),
+def _ctx(history, seconds=0.01, req_id="r0"):
+    req = RequestStep(req_id=req_id, accepted=np.array([history[-1]]),
                       context=np.array(history), num_prompt_tokens=2,
                       num_draft=0, verified_tokens=np.array([history[-2]]),
                       topk_ids=None, topk_logprobs=None, temperature=1.0)
@@ -90,6 +90,9 @@ def test_digest_tells_drafts_probabilities_history_and_seconds_apart():
 
     same = digest(_ctx([5, 6, 7]))
     assert same == digest(_ctx([5, 6, 7]))
+    # Engines name requests their own way (under external_launcher each
+    # rank's engine adds a random suffix): ids are not what ranks agree on.
+    assert same == digest(_ctx([5, 6, 7], req_id="r0-1f2e3d4c"))
     other_p = [np.array([[0.25] * 4, [0.5, 0.5, 0, 0]], dtype=np.float32)]
     for changed in (digest(_ctx([5, 6, 8])), digest(_ctx([5, 6, 7]), toks=((1, 3),)),
                     digest(_ctx([5, 6, 7]), p=other_p), digest(_ctx([5, 6, 7]), p=None),

@@ -145,3 +145,42 @@ def test_tensor_parallel_exact_and_rank_identical(name, tiny_tp_model, reference
     assert stats[0]["drafted"] > 0, stats[0]
     assert stats[0]["accepted"] > 0, stats[0]
     assert stats[0] == stats[1] | {"proposer": stats[0]["proposer"]}
+
+
+# Under vLLM's external_launcher executor, DEL: every broadcast the bridge
+# makes (the step's seconds, its draft timings through the first rank's
+# clock) and draft forwards with their collectives. (Token Recycling passed
+# too; one method keeps the suite's time down: each run starts two vLLMs.)
+LAUNCHED = ("del",)
+
+
+@pytest.mark.parametrize("name", LAUNCHED)
+def test_external_launcher_ranks_exact_and_identical(name, tiny_tp_model, reference,
+                                                     tmp_path):
+    """Each rank a process of its own, started by torchrun, with its own
+    engine: what a multi-node launcher does. Nothing of the bridge's rank
+    logic may assume vLLM's multiprocessing executor."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.serving import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0|1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(TP),
+         "--master-port", str(free_port()), "-m", "tests.external_launcher_ranks",
+         str(tmp_path), tiny_tp_model, json.dumps(SPECS[name])],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(TP)]
+    for rank in ranks:
+        assert rank["tokens"] == reference["greedy"]
+    assert len(ranks[0]["digests"]) > MAX_TOKENS // 4
+    assert ranks[0]["digests"] == ranks[1]["digests"]
+    assert ranks[0]["stats"]["drafted"] > 0, ranks[0]["stats"]
+    assert ranks[0]["stats"] == ranks[1]["stats"]

@@ -147,6 +147,10 @@ class DraftLengthController:
     def free(self, req_id: str) -> None:
         self.slots.release(req_id)
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Totals that only grow (``PluginProposer.counters``)."""
+        return {"zero_draft_decisions": {"": self.zero_choices}}
+
     def stats(self) -> dict:
         total = int(self.hist.sum())
         return {

@@ -261,6 +261,12 @@ class GoodputController(EstimatingController):
         return goodput_allocation(q, valid, intercept, slope, self.cost.verify_step_s,
                                   self.cost.new_shape_s, self.sizes.array())
 
+    def counters(self) -> dict[str, dict[str, int]]:
+        out = super().counters()
+        out["rest_steps"] = {"": self.rest.steps}
+        out["rest_probes"] = {"": self.rest.probes}
+        return out
+
     def stats(self) -> dict:
         out = super().stats()
         out["explore_steps"] = self.explore_steps

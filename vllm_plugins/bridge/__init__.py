@@ -10,6 +10,8 @@ tests/test_bridge_pins.py that fails loudly when vLLM's shape changes.
 - ``step``: the StepContext built from the runner's arrays (no patching);
 - ``target_layers``: the target's partial forwards for self-drafting proposers;
 - ``state``: the one typed object we keep on a runner;
+- ``counters``, ``stat_logger``: our counters from a runner's state to
+  vLLM's Prometheus ``/metrics``, through vLLM's own stats;
 - ``cpu_fixes``: a correction to vLLM's CPU build.
 """
 

@@ -47,7 +47,12 @@ def refuse_unsafe(method: str, speculative_config, parallel_config) -> None:
             f"'{sample_method}' is not supported with it")
     if parallel_config is not None:
         # Tensor parallel is served: ranks draft alike (bridge/ranks.py).
-        for name, why in _UNSAFE_PARALLEL.items():
+        # Data parallel is served by methods that draft from tokens and
+        # logits only: each rank is an engine of its own.
+        unsafe = dict(_UNSAFE_PARALLEL)
+        if self_drafting(speculative_config):
+            unsafe["data_parallel_size"] = _SELF_DRAFT_DATA_PARALLEL
+        for name, why in unsafe.items():
             size = int(getattr(parallel_config, name, 1) or 1)
             if size > 1:
                 raise ValueError(f"{where} cannot serve {name}={size}: {why}; "
@@ -60,12 +65,16 @@ _UNSAFE_PARALLEL = {
         "the proposer runs on every stage but only the last stage has the "
         "target's logits (no top-k to learn from, no verified rows for "
         "self-drafting), and self-drafting would run layers other stages hold",
-    "data_parallel_size":
-        "data-parallel engines step in lockstep only for MoE models, where a "
-        "self-drafting forward would join vLLM's cross-rank batch "
-        "coordination on some ranks only; drafting across data-parallel "
-        "ranks is not verified here",
 }
+# Why self-drafting methods (swift, del, and grammar_forced around them)
+# refuse data parallel; the others draft from tokens and logits only.
+_SELF_DRAFT_DATA_PARALLEL = (
+    "a self-drafting method runs the target's layers to draft, and with a MoE "
+    "target data-parallel engines step in lockstep, each forward joining "
+    "vLLM's cross-rank batch coordination: draft forwards that some ranks "
+    "run and others do not would hang it; methods that draft from tokens "
+    "and logits (token_recycling, stand, hybrid, ngram_adaptive, and "
+    "grammar_forced around them) serve data parallel")
 
 
 def wrap_params_validator(original):
@@ -114,9 +123,17 @@ def wrap_lookahead(original: property) -> property:
 def plugin_lookahead(speculative_config) -> int:
     """num_speculative_tokens for our methods that draft with the target's
     own layers (they write draft K/V); 0 for every other configuration."""
+    if not self_drafting(speculative_config):
+        return 0
+    return int(speculative_config.num_speculative_tokens or 0)
+
+
+def self_drafting(speculative_config) -> bool:
+    """Whether our method drafts with the target's own layers (its class,
+    or a composing method's ``inner`` class, declares ``SELF_DRAFT``)."""
     options = getattr(speculative_config, PLUGIN_OPTIONS_ATTR, None)
     if options is None:
-        return 0
+        return False
     from vllm_plugins.registry import METHODS
 
     classes = [METHODS[options["method"]].proposer_class()]
@@ -125,6 +142,4 @@ def plugin_lookahead(speculative_config) -> int:
     inner = inner.get("method") if isinstance(inner, dict) else inner
     if isinstance(inner, str) and inner in METHODS:
         classes.append(METHODS[inner].proposer_class())
-    if not any(getattr(cls, "SELF_DRAFT", False) for cls in classes):
-        return 0
-    return int(speculative_config.num_speculative_tokens or 0)
+    return any(getattr(cls, "SELF_DRAFT", False) for cls in classes)

@@ -42,7 +42,7 @@ import logging
 import os
 from typing import Any
 
-from . import grammar_weights
+from . import counters, grammar_weights
 
 logger = logging.getLogger("vllm_plugins")
 
@@ -249,7 +249,7 @@ def wrap_sample_tokens(original):
         errors = _take_matcher_errors(self.input_batch)
         weights = grammar_weights.take_weights(self.input_batch)
         if errors or weights:
-            _attach(out, {ERRORS_ATTR: errors, grammar_weights.WEIGHTS_ATTR: weights})
+            attach_to_output(out, {ERRORS_ATTR: errors, grammar_weights.WEIGHTS_ATTR: weights})
         return out
 
     return sample_tokens
@@ -259,8 +259,9 @@ def _take_matcher_errors(input_batch: Any) -> dict[str, str]:
     return grammar_weights.by_request_id(input_batch, "take_failures")
 
 
-def _attach(out: Any, reports: dict[str, dict]) -> None:
-    """Merge each {attribute: {request id: value}} into the step's output."""
+def attach_to_output(out: Any, reports: dict[str, dict]) -> None:
+    """Merge each {attribute: {key: value}} into the step's output (a
+    ModelRunnerOutput now, or an async one when it is read)."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
     if isinstance(out, ModelRunnerOutput):
@@ -276,7 +277,7 @@ def _attach(out: Any, reports: dict[str, dict]) -> None:
 
     def get_output_with_reports():
         result = get_output()
-        _attach(result, reports)
+        attach_to_output(result, reports)
         return result
 
     out.get_output = get_output_with_reports
@@ -289,29 +290,35 @@ def wrap_update_from_output(original):
     # output with that finish reason; an empty sampled-token list leaves a
     # running request unchanged (as for a prefill chunk).
     # The AWRS weights of the step's committed tokens are added after it
-    # (grammar_weights).
+    # (grammar_weights), and the step's growth of our counters goes onto the
+    # SchedulerStats it returns (bridge.counters): update_from_output is the
+    # one call that sees both a worker's output and the step's stats.
     @functools.wraps(original)
     def update_from_output(self, scheduler_output, model_runner_output):
         errors = getattr(model_runner_output, ERRORS_ATTR, None)
-        if errors:
-            end_on_matcher_errors(self, model_runner_output, errors)
+        ended = end_on_matcher_errors(self, model_runner_output, errors) if errors else 0
         weighed = grammar_weights.before_update(self, model_runner_output)
         outputs = original(self, scheduler_output, model_runner_output)
         grammar_weights.after_update(self, model_runner_output, weighed, outputs)
+        counters.to_scheduler_stats(outputs, model_runner_output, grammar_failures=ended)
         return outputs
 
     return update_from_output
 
 
-def end_on_matcher_errors(scheduler: Any, output: Any, errors: dict[str, str]) -> None:
+def end_on_matcher_errors(scheduler: Any, output: Any, errors: dict[str, str]) -> int:
+    """Ends each running request of ``errors``; returns how many it ended."""
     sampled = output.sampled_token_ids
+    ended = 0
     for req_id, reason in errors.items():
         request = scheduler.requests.get(req_id)
         if request is None or request.is_finished():
             continue
+        ended += 1
         index = output.req_id_to_index.get(req_id)
         if index is not None and index < len(sampled):
             sampled[index] = []  # the token forced after the error is not output
         logger.warning("request %s: its grammar cannot follow the output (%s); "
                        "finished with an error", req_id, reason)
         mark_error(scheduler, req_id, f"its grammar cannot follow the output: {reason}")
+    return ended

@@ -78,9 +78,10 @@ def count_our_objects() -> int:
 def live_counts(state, live_request_ids) -> dict:
     """The counts for one runner's ``RunnerState`` (see the module doc)."""
     skip_keys = frozenset(live_request_ids) | frozenset(state.finished)
-    # The finish notices themselves and the opt-in per-step digests (a
-    # record that grows by design while a test reads it) are not state.
-    skip_ids = {id(state.finished)}
+    # The finish notices themselves, the opt-in per-step digests (a record
+    # that grows by design while a test reads it) and the counters' last
+    # report (keyed by metric names, not requests) are not request state.
+    skip_ids = {id(state.finished), id(state.counters_reported)}
     if state.digest is not None:
         skip_ids.add(id(state.digest))
     keyed, entries = walk_counts([state], skip_keys, skip_ids)

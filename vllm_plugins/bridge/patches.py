@@ -10,8 +10,8 @@ what ``scripts/`` compares between two releases.
 
 from __future__ import annotations
 
-from vllm_plugins.bridge import (config, cpu_fixes, grammar_front, grammar_hold, runner,
-                                 verify_processors)
+from vllm_plugins.bridge import (config, counters, cpu_fixes, grammar_front, grammar_hold,
+                                 runner, verify_processors)
 from vllm_plugins.bridge.patching import Patch
 from vllm_plugins.bridge.v2 import gate as v2_gate
 from vllm_plugins.bridge.v2 import speculator as v2_speculator
@@ -23,6 +23,7 @@ _CPU_PINS = "tests/test_bridge_pins_cpu.py::"
 _PROCESSOR_PINS = "tests/test_bridge_pins_processors.py::"
 _V2_PINS = "tests/test_bridge_pins_v2.py::"
 _V2_RUNNER = "vllm.v1.worker.gpu.model_runner"
+_METRICS_PINS = "tests/test_bridge_pins_metrics.py::"
 
 PATCHES: tuple[Patch, ...] = (
     Patch("v2.runner_gate",
@@ -184,9 +185,26 @@ PATCHES: tuple[Patch, ...] = (
           grammar_hold.wrap_sample_tokens),
     Patch("grammar.end_on_matcher_errors", _SCHEDULER + ".update_from_output",
           "a request whose grammar failed ends with finish reason error, "
-          "not a silent stop; an AWRS request's weights add up and reach its output",
+          "not a silent stop; an AWRS request's weights add up and reach its "
+          "output; the step's growth of our counters goes onto its SchedulerStats",
           _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_update_from_output),
+    Patch("metrics.worker_counters", "vllm.v1.worker.gpu_worker:Worker.sample_tokens",
+          "what our runner state's counters grew in the step rides the step's "
+          "output to the scheduler (bridge.counters)",
+          _METRICS_PINS + "test_worker_sample_tokens_returns_the_runners_output",
+          counters.wrap_worker_sample_tokens),
+    Patch("metrics.scheduler_stats_field",
+          "vllm.v1.metrics.stats:SchedulerStats.vllm_plugins",
+          "a declared field, so that our counters' growth travels with the "
+          "stats vLLM sends from the engine core to the front end",
+          _METRICS_PINS + "test_scheduler_stats_field_travels_to_the_front_end",
+          counters.add_stats_field, adds=True),
+    Patch("metrics.stat_logger", "vllm.v1.metrics.loggers:StatLoggerManager.__init__",
+          "the front end's stat loggers include ours, which serves our counters "
+          "on /metrics beside vLLM's (bridge.stat_logger)",
+          _METRICS_PINS + "test_stat_logger_manager_hands_each_engines_stats_to_its_loggers",
+          counters.wrap_stat_logger_manager),
     Patch("cpu.expand_batch_to_tokens",
           "vllm.v1.sample.rejection_sampler:expand_batch_to_tokens",
           "vLLM's CPU build without Triton leaves per-request sampling "

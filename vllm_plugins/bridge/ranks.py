@@ -94,7 +94,12 @@ def first_rank_values(*values: float | None) -> tuple[float | None, ...]:
 
 
 class RankDigest:
-    """A hash per step of a rank's drafts, draft probabilities and history."""
+    """A hash per step of a rank's drafts, draft probabilities and history.
+
+    Request ids are left out: they are each engine's own names, and under
+    ``external_launcher`` every rank runs an engine of its own whose ids
+    carry a random suffix. What ranks must agree on is what each request
+    (in batch order) drafts from its history, and how many finished."""
 
     MAX_STEPS = 1 << 14
 
@@ -106,9 +111,8 @@ class RankDigest:
         for name in ("last_step_seconds", "last_propose_seconds",
                      "last_topk_seconds", "last_gap_seconds"):
             h.update(repr(getattr(ctx, name)).encode())
-        h.update(repr(sorted(ctx.finished)).encode())
+        h.update(repr(len(ctx.finished)).encode())
         for i, req in enumerate(ctx.requests):
-            h.update(req.req_id.encode())
             h.update(np.ascontiguousarray(req.context, dtype=np.int64).tobytes())
             h.update(np.asarray(tokens[i], dtype=np.int64).tobytes())
             p = probs[i] if probs is not None and i < len(probs) else None

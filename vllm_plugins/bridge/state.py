@@ -94,6 +94,9 @@ class RunnerState:
     tree_layout_checked: bool = False
     # Whether a malformed draft of this runner's proposer was logged.
     malformed_logged: bool = False
+    # Our counters' totals at their last report to vLLM's stats
+    # (bridge/counters.py: each report carries what grew since).
+    counters_reported: dict = field(default_factory=dict)
 
 
 def state_of(runner) -> RunnerState | None:

@@ -1,0 +1,84 @@
+"""Our /metrics counters: every one documented, reports that add up.
+
+The path through vLLM is pinned in tests/test_bridge_pins_metrics.py and
+run on a real server in tests/test_data_parallel_server_e2e.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from vllm_plugins.bridge.counters import METRICS, PREFIX, add, collect, growth
+from vllm_plugins.bridge.state import RunnerState
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+
+
+def test_docs_list_every_metric_and_no_other():
+    rows = re.findall(r"^\| `(vllm_plugins:\w+?)_total(?:\{(\w+)\})?` \|", DOC.read_text(),
+                      flags=re.M)
+    assert rows == [(PREFIX + m.name, m.label or "") for m in METRICS]
+
+
+class Proposer:
+    """What collect reads of a proposer: its declared counters()."""
+
+    def __init__(self):
+        self.totals = {"proposer_errors": {"": 1}, "source_errors": {"ngram": 2},
+                       "not_a_metric": {"": 9}}
+
+    def counters(self):
+        return self.totals
+
+
+def test_reports_carry_growth_that_adds_up_to_the_totals():
+    state = RunnerState(proposer=Proposer())
+    state.counters.steps = 4
+    first = collect(state)
+    assert first["steps"] == {"": 4}
+    assert first["source_errors"] == {"ngram": 2}
+    assert "not_a_metric" not in first  # only declared metrics travel
+    state.counters.steps = 7
+    state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 1}
+    second = collect(state)
+    grown = growth(second, first)
+    assert grown == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
+    assert add(add({}, growth(first, {})), grown)["steps"] == {"": 7}
+    assert growth(second, second) == {}
+
+
+def test_proposers_declare_only_known_metrics():
+    from vllm_plugins.bridge.counters import BY_NAME
+    from vllm_plugins.proposers.grammar import GrammarProposer
+    from vllm_plugins.proposers.hybrid import HybridProposer
+
+    hybrid = HybridProposer(None, {"sources": ["token_recycling", "ngram"]},
+                            vocab_size=64)
+    grammar = GrammarProposer(None, options={"inner": {"method": "token_recycling"}},
+                              vocab_size=64)
+    for proposer in (hybrid, grammar):
+        counters = proposer.counters()
+        assert set(counters) <= set(BY_NAME), set(counters) - set(BY_NAME)
+        assert counters["proposer_errors"] == {"": 0}
+    assert set(hybrid.counters()["source_errors"]) == {"token_recycling", "ngram"}
+    assert {"rest_steps", "zero_draft_decisions"} <= set(hybrid.counters())  # goodput
+    assert grammar.counters()["grammar_forced_tokens"] == {"": 0}
+    hybrid.num_errors = 2
+    assert collect(RunnerState(proposer=hybrid))["proposer_errors"] == {"": 2}
+
+
+def test_the_scheduler_adds_grammar_failures_to_the_steps_stats():
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge.counters import OUTPUT_ATTR, STATS_FIELD, to_scheduler_stats
+
+    stats = SimpleNamespace(**{STATS_FIELD: None})
+    outputs = {0: SimpleNamespace(scheduler_stats=None),
+               1: SimpleNamespace(scheduler_stats=stats)}
+    worker = SimpleNamespace(**{OUTPUT_ATTR: {"steps": {"": 1}}})
+    to_scheduler_stats(outputs, worker, grammar_failures=2)
+    assert getattr(stats, STATS_FIELD) == {"steps": {"": 1}, "grammar_failures": {"": 2}}
+    to_scheduler_stats(outputs, SimpleNamespace(), grammar_failures=0)  # nothing grew
+    to_scheduler_stats(outputs, worker)
+    assert getattr(stats, STATS_FIELD)["steps"] == {"": 2}

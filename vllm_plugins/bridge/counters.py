@@ -1,0 +1,220 @@
+"""Our counters, from a worker's runner state to vLLM's Prometheus ``/metrics``.
+
+They travel vLLM's own stat path, the one its ``spec_decode`` counters take:
+
+  worker        ``Worker.sample_tokens`` (patch ``metrics.worker_counters``):
+                ``collect(state)`` reads the runner's ``RunnerState``; what
+                grew since the last report rides the step's
+                ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
+  engine core   ``Scheduler.update_from_output`` puts it on the step's
+                ``SchedulerStats`` (field ``STATS_FIELD``, added by patch
+                ``metrics.scheduler_stats_field``), which vLLM sends to the
+                front end with every step's outputs
+  front end     ``PluginStatLogger`` (``bridge/stat_logger.py``), beside
+                vLLM's ``PrometheusStatLogger``, adds it to counters named
+                ``vllm_plugins:<name>`` with vLLM's labels ``model_name`` and
+                ``engine`` (a data-parallel rank's index)
+
+Reports are increments, not totals: whichever front end (API server) gets a
+step's stats adds that step's growth, so counters summed over API servers
+and over data-parallel engines are exact. The output rank's counters are
+read: tensor-parallel ranks draft alike (``bridge/ranks.py``).
+
+``collect`` takes a ``RunnerState`` and nothing of the runner, so any
+adapter that keeps one (the V1 runner's, another runner's) feeds the same
+path through ``report``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+#: ModelRunnerOutput attribute: {metric: {label value: increment}}.
+OUTPUT_ATTR = "vllm_plugins_counters"
+#: SchedulerStats field: the same, summed over the steps of one report.
+STATS_FIELD = "vllm_plugins"
+#: Prefix of every metric, as vLLM's own are "vllm:<name>".
+PREFIX = "vllm_plugins:"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One Prometheus counter: ``PREFIX + name``, vLLM's labels, and
+    ``label`` when the counter is split further (None: not split)."""
+
+    name: str
+    documentation: str
+    label: str | None = None
+
+
+# Every metric, in docs/metrics.md's order (tests/test_metrics.py checks both).
+METRICS: tuple[Metric, ...] = (
+    Metric("steps", "Engine steps of a model runner drafting with a vllm-plugins method."),
+    Metric("proposer_errors",
+           "Steps whose proposer raised and so drafted nothing."),
+    Metric("malformed_drafts",
+           "Request drafts dropped because they broke the draft layout."),
+    Metric("zero_draft_decisions",
+           "Request steps offered a draft that the draft-length controller cut to none."),
+    Metric("rest_steps",
+           "Steps the goodput controller rested: no request drafted, because "
+           "drafting was measured to cost more than it returned."),
+    Metric("rest_probes", "Rests the goodput controller began to re-measure resting."),
+    Metric("tree_steps", "Steps that verified tree drafts."),
+    Metric("tree_requests", "Tree drafts verified."),
+    Metric("kv_moved_tokens",
+           "Accepted tree nodes whose K/V moved to the slot chain decoding uses."),
+    Metric("source_draft_nodes", "Draft nodes a hybrid source proposed.", "source"),
+    Metric("source_accepted_tokens", "Accepted tokens a hybrid source had proposed.",
+           "source"),
+    Metric("source_errors", "Calls into a hybrid source that raised (its candidates dropped).",
+           "source"),
+    Metric("grammar_failures",
+           "Requests ended with finish reason error because their grammar could not "
+           "follow the output (the grammar logits processor's requests)."),
+    Metric("grammar_forced_tokens", "Draft tokens a request's grammar forced (grammar_forced)."),
+    Metric("grammar_lost_requests",
+           "Structured-output requests whose grammar grammar_forced lost track of "
+           "(the inner method drafts for them after)."),
+    Metric("grammar_unusable_requests",
+           "Structured-output requests whose grammar grammar_forced could not use "
+           "(the inner method drafts for them)."),
+)
+BY_NAME = {m.name: m for m in METRICS}
+
+Snapshot = dict[str, dict[str, int]]
+
+
+def collect(state: Any) -> Snapshot:
+    """Totals of one ``RunnerState``: its step counters and its proposer's
+    ``counters()`` ({metric: {label value: total}}, "" when unlabelled)."""
+    c = state.counters
+    out: Snapshot = {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
+                     "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
+                     "kv_moved_tokens": {"": c.kv_moved}}
+    proposer = state.proposer
+    if proposer is not None:
+        for name, values in proposer.counters().items():
+            if name in BY_NAME:
+                merged = out.setdefault(name, {})
+                for label, value in values.items():
+                    merged[label] = merged.get(label, 0) + int(value)
+    return out
+
+
+def growth(now: Snapshot, before: Snapshot) -> Snapshot:
+    """What grew from ``before`` to ``now`` (counters never shrink)."""
+    out: Snapshot = {}
+    for name, values in now.items():
+        old = before.get(name, {})
+        grown = {label: v - old.get(label, 0) for label, v in values.items()
+                 if v > old.get(label, 0)}
+        if grown:
+            out[name] = grown
+    return out
+
+
+def add(total: Snapshot, more: Snapshot) -> Snapshot:
+    for name, values in more.items():
+        merged = total.setdefault(name, {})
+        for label, value in values.items():
+            merged[label] = merged.get(label, 0) + value
+    return total
+
+
+def report(state: Any, output: Any) -> None:
+    """Puts what ``state``'s counters grew since the last report on the
+    step's ``output`` (a ModelRunnerOutput, or an async one)."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT:
+        return  # nothing reaches the scheduler: report at a later step
+    now = collect(state)
+    grown = growth(now, state.counters_reported)
+    if not grown:
+        return
+    from vllm_plugins.bridge.grammar_hold import attach_to_output
+
+    attach_to_output(output, {OUTPUT_ATTR: grown})
+    state.counters_reported = now
+
+
+def wrap_worker_sample_tokens(original):
+    # vllm.v1.worker.gpu_worker.Worker.sample_tokens(self, grammar_output)
+    # -> ModelRunnerOutput | AsyncModelRunnerOutput (the CPU worker's too):
+    # the step's output, which the executor takes from the output rank and
+    # hands to the scheduler's update_from_output.
+    @functools.wraps(original)
+    def sample_tokens(self, grammar_output):
+        out = original(self, grammar_output)
+        from vllm_plugins.bridge.state import state_of
+
+        state = state_of(self.model_runner)
+        if state is not None and state.proposer is not None:
+            report(state, out)
+        return out
+
+    return sample_tokens
+
+
+def to_scheduler_stats(engine_core_outputs: dict, model_runner_output: Any,
+                       grammar_failures: int = 0) -> None:
+    """After ``Scheduler.update_from_output``: the worker's reported growth,
+    and the requests the scheduler ended on a grammar failure, onto the
+    step's ``SchedulerStats`` (on one client's outputs, as vLLM sends them).
+    Growth on a step without stats (stats off) is dropped, as vLLM drops its
+    own then."""
+    grown = dict(getattr(model_runner_output, OUTPUT_ATTR, None) or {})
+    if grammar_failures:
+        grown["grammar_failures"] = {"": grammar_failures}
+    if not grown or not engine_core_outputs:
+        return
+    for outputs in engine_core_outputs.values():
+        stats = getattr(outputs, "scheduler_stats", None)
+        if stats is not None:
+            setattr(stats, STATS_FIELD, add(getattr(stats, STATS_FIELD) or {}, grown))
+            return
+
+
+def add_stats_field(_missing):
+    # vllm.v1.metrics.stats.SchedulerStats: a dataclass that msgspec encodes
+    # field by field from the engine core to the front end (EngineCoreOutputs
+    # .scheduler_stats); an attribute outside its fields would be dropped.
+    # The field is declared (not an __init__ argument, default None) so that
+    # it travels; its value lives in the instance's __dict__.
+    import dataclasses
+
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    field = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    field.name = STATS_FIELD
+    field.type = dict[str, Any] | None
+    field._field_type = dataclasses._FIELD  # what dataclasses.fields() lists
+    SchedulerStats.__dataclass_fields__[STATS_FIELD] = field
+    SchedulerStats.__annotations__[STATS_FIELD] = dict[str, Any] | None
+
+    def get(self):
+        return self.__dict__.get(STATS_FIELD)
+
+    def set_(self, value):
+        self.__dict__[STATS_FIELD] = value
+
+    return property(get, set_, doc="vllm-plugins counters grown in this report")
+
+
+def wrap_stat_logger_manager(original):
+    # vllm.v1.metrics.loggers.StatLoggerManager.__init__(self, vllm_config,
+    #     engine_idxs=None, custom_stat_loggers=None, ...) fills
+    # self.stat_loggers (AggregateStatLoggerBase instances) and
+    # self.engine_indexes; its record() then passes every engine's
+    # SchedulerStats to each logger's record(..., engine_idx=).
+    @functools.wraps(original)
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        from vllm_plugins.bridge.stat_logger import PluginStatLogger
+
+        self.stat_loggers.append(PluginStatLogger(vllm_config, self.engine_indexes))
+
+    return __init__
