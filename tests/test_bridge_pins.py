@@ -255,10 +255,11 @@ def test_every_patch_targets_vllm_and_names_its_pin():
     exists only as ours) and its pin test is in this module, in
     tests/test_bridge_pins_processors.py for processors, samplers and the
     scheduler under speculation, in tests/test_bridge_pins_metrics.py for
-    the stats path to /metrics, or for a fix to vLLM's CPU build in
-    tests/test_bridge_pins_cpu.py."""
+    the stats path to /metrics, in tests/test_bridge_pins_v2.py for Model
+    Runner V2, or for a fix to vLLM's CPU build in tests/test_bridge_pins_cpu.py."""
     import vllm_plugins
-    from tests import test_bridge_pins_cpu, test_bridge_pins_metrics, test_bridge_pins_processors
+    from tests import (test_bridge_pins_cpu, test_bridge_pins_metrics,
+                       test_bridge_pins_processors, test_bridge_pins_v2)
     from vllm_plugins.bridge.patching import _MISSING
     from vllm_plugins.bridge.patches import PATCHES, RELIED_ON, vllm_names
 
@@ -266,7 +267,8 @@ def test_every_patch_targets_vllm_and_names_its_pin():
     pin_modules = {"tests/test_bridge_pins.py": globals(),
                    "tests/test_bridge_pins_cpu.py": vars(test_bridge_pins_cpu),
                    "tests/test_bridge_pins_processors.py": vars(test_bridge_pins_processors),
-                   "tests/test_bridge_pins_metrics.py": vars(test_bridge_pins_metrics)}
+                   "tests/test_bridge_pins_metrics.py": vars(test_bridge_pins_metrics),
+                   "tests/test_bridge_pins_v2.py": vars(test_bridge_pins_v2)}
     for patch in PATCHES:
         file, _, test = patch.pin.partition("::")
         assert file in pin_modules and callable(pin_modules[file].get(test)), patch

@@ -63,6 +63,10 @@ def greedy(tmp: str) -> dict:
     # A request that caps its own drafts (per-request options) rides along.
     capped = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
                             extra_args={"speculation": {"max_draft": 1}})
+    # Sampling parameters V2's sampler applies to every verified row itself.
+    processed = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
+                               logit_bias={13206: -100.0, 34: 2.0}, min_tokens=6,
+                               min_p=0.05)
     out: dict = {}
     methods = {"plain": None, **V2_METHODS, **V1_METHODS}
     for name, spec in methods.items():
@@ -74,7 +78,8 @@ def greedy(tmp: str) -> dict:
             # Plain decoding refuses the per-request options (it has no drafts
             # to cap); its output for that prompt is the same either way.
             last = capped if spec is not None else params
-            results = llm.generate(prompts + prompts[:1], [params] * len(prompts) + [last],
+            results = llm.generate(prompts + prompts[:2],
+                                   [params] * len(prompts) + [last, processed],
                                    use_tqdm=False)
             out[name] = {"runner": runner_of(llm),
                          "tokens": [list(r.outputs[0].token_ids) for r in results],
