@@ -120,6 +120,7 @@ class TokenRecyclingProposer(PluginProposer):
         if o["tables"] == "device":
             self.device_chains = DeviceChains(self.vocab_size, o, max_device_slots(vllm_config))
             self.tables = None
+            self.TOPK = 1  # the chain reads a matrix row's top-1 only
         else:
             self.tables = RecyclingTables(self.vocab_size, o["topk"], o["context_order"],
                                           o["context_slots"])

@@ -16,18 +16,19 @@ host prepares the next one, or be captured in a CUDA graph:
   (on CUDA, unordered) resolution: every tensor-parallel rank, learning
   from the same rows, holds the same tables.
 
-What the tables hold (``E = context_slots + vocab``):
+What the tables hold (``E = context_slots + vocab``), each token stored
+plus one (0: none), so that a missing token adds nothing to a key:
 
-- ``ids``, ``logp`` ``[vocab + 1, k]``: the adjacency matrix, the target's
-  top-k after each token the last time it was verified (row ``vocab``: trash);
-- ``key``, ``tok``, ``lp`` ``[E + 1]``: what the chain reads, one entry per
-  context. Entries ``[0, context_slots)`` are the direct-mapped context
-  table (a context of 2..``context_order`` tokens -> the target's top-1
-  after it); entry ``context_slots + t`` is the matrix's top-1 for token
-  ``t`` (the same values as ``ids[t, 0]``, kept beside the contexts so a
-  draft token is one probe of one table); entry ``E`` is trash;
-- ``hist`` ``[max_slots + 1, context_order - 1]``: per request slot, the
-  tokens before its newest committed one (-1 where the request has none);
+- ``key``, ``tok1``, ``lp`` ``[E + 1]``: one entry per context, the key,
+  the target's top-1 after the context (plus one) and its log-probability.
+  Entries ``[0, context_slots)`` are the direct-mapped context table
+  (contexts of 2..``context_order`` tokens); entry ``context_slots + t`` is
+  the adjacency matrix's top-1 for token ``t``, so a drafted token is one
+  probe of one table; entry ``E`` is trash. The chain reads a matrix row's
+  top-1 only, so the other k - 1 columns the host keeps (for its trees) are
+  not kept here;
+- ``hist1`` ``[max_slots + 1, context_order - 1]``: per request slot, the
+  tokens before its newest committed one (0 where the request has none);
   row ``max_slots`` is the padding slot;
 - ``winner`` ``[E + 1]``: scratch for the write-order resolution, kept at -1
   between calls.
@@ -41,8 +42,9 @@ keeps a drafted token at about a dozen tensor ops. The host version hashes
 differently, so the two place entries in different slots; with no two
 contexts in one slot they draft alike (tests/test_token_recycling_device.py).
 
-Memory: ``E * 24 + vocab * k * 8 + max_slots * context_order * 8`` bytes;
-SmolLM2 (49152), k 8, 2^20 slots: 26.3 MiB, against the host's 19 MiB.
+Memory: ``(E + 1) * 28 + (max_slots + 1) * (context_order - 1) * 8`` bytes;
+SmolLM2 (49152), 2^20 slots: 29.3 MiB (of which the write-order scratch
+8.4), against the host's 19 MiB.
 """
 
 from __future__ import annotations
@@ -76,18 +78,18 @@ def context_key(tokens) -> int:
 
 
 class DeviceRecyclingTables:
-    """The adjacency matrix and context table, learned and walked on one
-    device. ``learn``, ``propose`` and ``walk`` run the same ops whatever
-    the values; ``seed`` (a request's start, eager) also."""
+    """The adjacency matrix's top-1 and the context table, learned and
+    walked on one device. ``learn``, ``propose`` and ``walk`` run the same
+    ops whatever the values; so does ``seed`` (a request's start, eager)."""
 
-    def __init__(self, vocab_size: int, k: int, context_order: int, context_slots: int,
+    def __init__(self, vocab_size: int, context_order: int, context_slots: int,
                  max_slots: int, min_confidence: float = 0.02,
                  device: torch.device | str = "cpu"):
         if context_order < 1:
             raise ValueError(f"context_order must be >= 1, got {context_order}")
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
-        self.vocab_size, self.k, self.order = vocab_size, k, context_order
+        self.vocab_size, self.order = vocab_size, context_order
         self.hist_len = context_order - 1
         self.slots = context_slots if context_order >= 2 else 0
         self.min_confidence = float(min_confidence)
@@ -95,28 +97,27 @@ class DeviceRecyclingTables:
         self.entries = self.slots + vocab_size     # the trash entry's index
         self.max_slots = max_slots
         dev, i64 = self.device, torch.int64
-        self.ids = torch.full((vocab_size + 1, k), -1, dtype=torch.int32, device=dev)
-        self.logp = torch.full((vocab_size + 1, k), -math.inf, device=dev)
         self.key = torch.full((self.entries + 1,), EMPTY_KEY, dtype=i64, device=dev)
-        self.tok = torch.full((self.entries + 1,), -1, dtype=i64, device=dev)
+        self.tok1 = torch.zeros(self.entries + 1, dtype=i64, device=dev)
         self.lp = torch.full((self.entries + 1,), -math.inf, device=dev)
         self.winner = torch.full((self.entries + 1,), -1, dtype=i64, device=dev)
-        self.hist = torch.full((max_slots + 1, self.hist_len), -1, dtype=i64, device=dev)
+        self.hist1 = torch.zeros(max_slots + 1, self.hist_len, dtype=i64, device=dev)
+        self.trash = torch.tensor(self.entries, device=dev)
         # Per order n = 1..O (column n - 1): PRIME**(n-1), the remainder that
         # maps a key to its entry and the offset added after it. Order 1 is
         # the matrix: key t + 1, entry context_slots + t (a token id outside
         # the vocabulary wraps to some entry: never an index out of range).
         o = context_order
-        self.powers = torch.tensor([_int64(PRIME ** i) for i in range(o)], dtype=i64,
-                                   device=dev)
-        self.modulus = torch.tensor([vocab_size + 1] + [max(self.slots, 1)] * (o - 1), dtype=i64,
-                                    device=dev)
+        self.pow = [_int64(PRIME ** i) for i in range(o)]
+        self.powers = torch.tensor(self.pow, dtype=i64, device=dev)
+        self.modulus = torch.tensor([vocab_size + 1] + [max(self.slots, 1)] * (o - 1),
+                                    dtype=i64, device=dev)
         self.offset = torch.tensor([self.slots - 1] + [0] * (o - 1), dtype=i64, device=dev)
         # The longest context with an entry wins; none: the matrix (column 0).
         self.weight = torch.arange(1, o + 1, dtype=i64, device=dev)
         self.hist_cols = torch.arange(self.hist_len, dtype=i64, device=dev)
 
-    _TENSORS = ("ids", "logp", "key", "tok", "lp", "winner", "hist", "powers", "modulus",
+    _TENSORS = ("key", "tok1", "lp", "winner", "hist1", "trash", "powers", "modulus",
                 "offset", "weight", "hist_cols")
 
     def nbytes(self) -> int:
@@ -132,11 +133,16 @@ class DeviceRecyclingTables:
     def resize_slots(self, max_slots: int) -> None:
         """Room for ``max_slots`` request slots, histories kept (eager; the
         padding slot moves to ``max_slots``)."""
-        hist = torch.full((max_slots + 1, self.hist_len), -1, dtype=torch.int64,
-                          device=self.device)
+        hist1 = torch.zeros(max_slots + 1, self.hist_len, dtype=torch.int64,
+                            device=self.device)
         keep = min(max_slots, self.max_slots)
-        hist[:keep] = self.hist[:keep]
-        self.hist, self.max_slots = hist, max_slots
+        hist1[:keep] = self.hist1[:keep]
+        self.hist1, self.max_slots = hist1, max_slots
+
+    def next_token(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The matrix's top-1 after each of ``tokens`` (-1: none); for tests
+        and inspection."""
+        return self.tok1.take(tokens + self.slots) - 1
 
     # ------------------------------------------------------------- learning
     def learn(self, slots: torch.Tensor, verified_tokens: torch.Tensor,
@@ -149,50 +155,44 @@ class DeviceRecyclingTables:
         verified_tokens [R, N] int64: the token before the drafts, then the
           drafts; row j of topk_* is the target's distribution after
           verified_tokens[r, j]. Rows j >= num_verified[r] write nowhere.
-        topk_ids [R, N, K] int64, topk_logprobs [R, N, K] float, K >= 1:
-          ids by descending log-probability (the first ``k`` are kept).
-        num_verified [R] int: valid rows (0: the request learns nothing and
-          its history stays).
-        num_accepted [R] int: drafts accepted this step (< num_verified
+        topk_ids [R, N, K] int64, topk_logprobs [R, N, K] float32, K >= 1:
+          ids by descending log-probability (only the first is kept).
+        num_verified [R] int64: valid rows (0: the request learns nothing
+          and its history stays).
+        num_accepted [R] int64: drafts accepted this step (< num_verified
           where that is > 0): verified_tokens[r, 1:1 + a] are committed.
         """
         r, n = verified_tokens.shape
         o, h = self.order, self.hist_len
-        seq = torch.cat((self.hist[slots], verified_tokens), 1)   # [R, H + N]
-        seq1 = seq + 1
+        seq1 = torch.cat((self.hist1.index_select(0, slots), verified_tokens + 1), 1)
         keys = [seq1[:, h:]]                                       # order 1
         for m in range(2, o + 1):
-            keys.append(keys[-1] + seq1[:, h - m + 1:h - m + 1 + n] * self.powers[m - 1])
+            keys.append(keys[-1] + seq1[:, h - m + 1:h - m + 1 + n] * self.pow[m - 1])
         keys = torch.stack(keys, 2)                                # [R, N, O]
         entry = torch.remainder(keys, self.modulus).add_(self.offset)
-        rows = torch.arange(n, device=seq.device)
-        valid = rows < num_verified.unsqueeze(1)                   # [R, N]
-        entry = torch.where(valid.unsqueeze(2), entry, self.entries).view(-1)
-        dest = self._last_write_wins(entry)
-        self.key.index_copy_(0, dest, keys.view(-1))
-        top1 = topk_ids[:, :, :1].expand(r, n, o).reshape(-1)
-        top1_lp = topk_logprobs[:, :, :1].to(self.lp.dtype).expand(r, n, o).reshape(-1)
-        self.tok.index_copy_(0, dest, top1)
-        self.lp.index_copy_(0, dest, top1_lp)
-        # The matrix rows: order 1's entries, shifted to the matrix's rows.
-        mat_rows = dest.view(r, n, o)[:, :, 0].reshape(-1) - self.slots
-        kk = min(self.k, topk_ids.shape[2])
-        self.ids[:, :kk].index_copy_(0, mat_rows,
-                                     topk_ids[:, :, :kk].reshape(-1, kk).to(self.ids.dtype))
-        self.logp[:, :kk].index_copy_(
-            0, mat_rows, topk_logprobs[:, :, :kk].reshape(-1, kk).to(self.logp.dtype))
+        valid = torch.arange(n, device=seq1.device) < num_verified.unsqueeze(1)
+        entry = entry.where(valid.unsqueeze(2), self.trash)
+        dest = self._last_write_wins(entry.view(-1)).view(r, n, o)
+        self.key.index_put_((dest,), keys)
+        self.tok1.index_put_((dest,), topk_ids[:, :, :1] + 1)
+        self.lp.index_put_((dest,), topk_logprobs[:, :, :1].to(self.lp.dtype))
         if h:
-            shift = torch.where(num_verified > 0, num_accepted + 1, 0)
-            self.hist[slots] = seq.gather(1, shift.unsqueeze(1) + self.hist_cols)
+            shift = (num_accepted + 1) * (num_verified > 0)
+            self.hist1.index_put_((slots,),
+                                  seq1.gather(1, shift.unsqueeze(1) + self.hist_cols))
 
     def _last_write_wins(self, entry: torch.Tensor) -> torch.Tensor:
         """``entry`` with every write but the last to each entry sent to the
         trash entry: a scatter then writes each entry once, in any order."""
-        order = torch.arange(entry.numel(), device=entry.device)
-        self.winner.scatter_reduce_(0, entry, order, "amax")
-        keep = self.winner[entry] == order
+        return self._highest_priority_wins(
+            entry, torch.arange(entry.numel(), device=entry.device))
+
+    def _highest_priority_wins(self, entry: torch.Tensor, priority: torch.Tensor
+                               ) -> torch.Tensor:
+        self.winner.scatter_reduce_(0, entry, priority, "amax")
+        keep = self.winner.take(entry) == priority
         self.winner.index_fill_(0, entry, -1)
-        return torch.where(keep, entry, self.entries)
+        return entry.where(keep, self.trash)
 
     # ------------------------------------------------------------- seeding
     def seed(self, slots: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -205,50 +205,46 @@ class DeviceRecyclingTables:
         a slot: see ``_seed_contexts``)."""
         r, p = tokens.shape
         dev = tokens.device
+        tokens1 = tokens + 1
         if self.hist_len:
             pos = lengths.unsqueeze(1) - 1 - self.hist_len + self.hist_cols
-            self.hist[slots] = torch.where(pos >= 0, tokens.gather(1, pos.clamp(min=0)), -1)
+            self.hist1.index_put_((slots,),
+                                  tokens1.gather(1, pos.clamp(min=0)) * (pos >= 0))
         if not tables or p < 2:
             return
         col = torch.arange(p, device=dev)
         inside = col < lengths.unsqueeze(1)                        # [R, P]
-        # Matrix: prev -> next where the row is empty now; within a request
+        # Matrix: prev -> next where the entry is empty now; within a request
         # the last occurrence, across requests the first request, wins.
-        prev, nxt = tokens[:, :-1], tokens[:, 1:]
-        ok = inside[:, 1:] & (self.ids[prev.clamp(0, self.vocab_size), 0] < 0)
-        row = torch.where(ok, prev, self.vocab_size)
-        priority = ((r - 1 - torch.arange(r, device=dev)).unsqueeze(1) * p
-                    + col[1:]).reshape(-1)
-        dest = self._highest_priority_wins(row.reshape(-1) + self.slots, priority)
-        self._write_seed(dest, (row + 1).reshape(-1), nxt.reshape(-1))
-        self.ids[:, 0].index_copy_(0, dest - self.slots,
-                                   nxt.reshape(-1).to(self.ids.dtype))
-        self.logp[:, 0].index_fill_(0, dest - self.slots, SEED_LOGP)
-        # ``index_fill_`` also filled the trash row: it stays trash.
+        prev = tokens[:, :-1].clamp(0, self.vocab_size)
+        ok = inside[:, 1:] & (self.tok1.take(prev + self.slots) == 0)
+        entry = (prev + self.slots).where(ok, self.trash)
+        priority = (r - 1 - torch.arange(r, device=dev)).unsqueeze(1) * p + col[1:]
+        dest = self._highest_priority_wins(entry.view(-1), priority.view(-1))
+        self._write_seed(dest, (prev + 1).view(-1), tokens1[:, 1:].reshape(-1))
         if self.order >= 2 and p >= 3:
-            self._seed_contexts(tokens, inside)
+            self._seed_contexts(tokens1, inside)
 
-    def _seed_contexts(self, tokens: torch.Tensor, inside: torch.Tensor) -> None:
+    def _seed_contexts(self, tokens1: torch.Tensor, inside: torch.Tensor) -> None:
         """Contexts tokens[e - m:e] -> tokens[e], e >= 2, m = 2..order, into
         entries that do not hold that context: each context's first
         occurrence, and where contexts share a slot the last of those
         (within one request the host's rule; across requests, a context
         already seeded by an earlier row is not seeded again)."""
-        r, p = tokens.shape
-        o, dev = self.order, tokens.device
-        seq1 = torch.cat((tokens.new_zeros(r, o), tokens + 1), 1)   # unknown: 0
+        r, p = tokens1.shape
+        o = self.order
+        seq1 = torch.cat((tokens1.new_zeros(r, o), tokens1), 1)    # unknown: 0
         ends = p - 2                                   # e = 2 .. p - 1
         keys = [seq1[:, o + 1:o + 1 + ends]]           # the token before e
         for m in range(2, o + 1):
-            keys.append(keys[-1] + seq1[:, o + 2 - m:o + 2 - m + ends] * self.powers[m - 1])
+            keys.append(keys[-1] + seq1[:, o + 2 - m:o + 2 - m + ends] * self.pow[m - 1])
         keys = torch.stack(keys[1:], 2).reshape(-1)    # [R * ends * (O - 1)]
         valid = inside[:, 2:].unsqueeze(2).expand(r, ends, o - 1).reshape(-1)
         entry = torch.remainder(keys, self.slots)
-        first = self._first_of_each(keys, valid)
-        fresh = valid & first & (self.key[entry] != keys)
-        dest = self._last_write_wins(torch.where(fresh, entry, self.entries))
-        nxt = tokens[:, 2:].unsqueeze(2).expand(r, ends, o - 1).reshape(-1)
-        self._write_seed(dest, keys, nxt)
+        fresh = valid & self._first_of_each(keys, valid) & (self.key.take(entry) != keys)
+        dest = self._last_write_wins(entry.where(fresh, self.trash))
+        nxt1 = tokens1[:, 2:].unsqueeze(2).expand(r, ends, o - 1).reshape(-1)
+        self._write_seed(dest, keys, nxt1)
 
     @staticmethod
     def _first_of_each(keys: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -261,16 +257,9 @@ class DeviceRecyclingTables:
         new[1:] = s[1:] != s[:-1]
         return torch.empty_like(valid).scatter_(0, perm, new)
 
-    def _highest_priority_wins(self, entry: torch.Tensor, priority: torch.Tensor
-                               ) -> torch.Tensor:
-        self.winner.scatter_reduce_(0, entry, priority, "amax")
-        keep = self.winner[entry] == priority
-        self.winner.index_fill_(0, entry, -1)
-        return torch.where(keep, entry, self.entries)
-
-    def _write_seed(self, dest, keys, toks) -> None:
-        self.key.index_copy_(0, dest, keys)
-        self.tok.index_copy_(0, dest, toks)
+    def _write_seed(self, dest, keys, toks1) -> None:
+        self.key.index_put_((dest,), keys)
+        self.tok1.index_put_((dest,), toks1)
         self.lp.index_fill_(0, dest, SEED_LOGP)
 
     # ------------------------------------------------------------- drafting
@@ -282,31 +271,34 @@ class DeviceRecyclingTables:
         (the chain's estimated acceptance) falls below min_confidence; and
         each drafted token's stored probability [R, num_tokens] float32 (0
         where the draft is -1). Reads the tables only."""
-        window = torch.cat((self.hist[slots], last_tokens.unsqueeze(1)), 1)
-        return self.walk(window, num_tokens)
+        window1 = torch.cat((self.hist1.index_select(0, slots),
+                             last_tokens.unsqueeze(1) + 1), 1)
+        return self._walk(window1, num_tokens)
 
     def walk(self, window: torch.Tensor, num_tokens: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """``propose`` from explicit contexts: ``window`` [R, context_order]
         holds each chain's last tokens, oldest first (-1: none)."""
+        return self._walk(window + 1, num_tokens)
+
+    def _walk(self, window1: torch.Tensor, num_tokens: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         if num_tokens <= 0:
-            empty = window.new_zeros(window.shape[0], 0)
+            empty = window1.new_zeros(window1.shape[0], 0)
             return empty, empty.float()
         # keys[:, m - 1]: the key of the last m tokens.
-        keys = ((window + 1).flip(1) * self.powers).cumsum(1)
-        toks, lps = [], []
+        keys = (window1.flip(1) * self.powers).cumsum(1)
+        toks1, lps = [], []
         for step in range(num_tokens):
             entry = torch.remainder(keys, self.modulus).add_(self.offset)
-            hit = self.key[entry] == keys
+            hit = self.key.take(entry) == keys
             best = entry.gather(1, (hit * self.weight).argmax(1, keepdim=True))
-            tok = self.tok[best]                                   # [R, 1]
-            toks.append(tok)
-            lps.append(self.lp[best])
+            tok1 = self.tok1.take(best)                            # [R, 1]
+            toks1.append(tok1)
+            lps.append(self.lp.take(best))
             if step + 1 < num_tokens:
-                tok1 = tok + 1
                 keys = torch.cat((tok1, torch.add(tok1, keys[:, :-1], alpha=PRIME)), 1)
-        tok, prob = torch.cat(toks, 1), torch.cat(lps, 1).double().exp()
-        stop = (tok < 0) | (prob.cumprod(1) < self.min_confidence)
+        tok1, prob = torch.cat(toks1, 1), torch.cat(lps, 1).double().exp()
+        stop = (tok1 == 0) | (prob.cumprod(1) < self.min_confidence)
         drafted = stop.cumsum(1) == 0
-        return (torch.where(drafted, tok, -1),
-                torch.where(drafted, prob, 0.0).to(torch.float32))
+        return tok1 * drafted - 1, (prob * drafted).float()

@@ -28,8 +28,7 @@ class DeviceChains:
                  device: torch.device | str = "cpu"):
         self.options = options
         self.tables = DeviceRecyclingTables(
-            vocab_size, options["topk"], options["context_order"], options["context_slots"],
-            max_slots, options["min_confidence"], device)
+            vocab_size, options["context_order"], options["context_slots"], max_slots, options["min_confidence"], device)
         self._slot: dict[str, int] = {}
         self._free = list(range(max_slots - 1, -1, -1))
         # Per request, the context length its history is current for.
@@ -91,15 +90,14 @@ class DeviceChains:
 
     def _learn_rows(self, rows) -> None:
         n = max(len(r.verified_tokens) for r in rows)
-        k = rows[0].topk_ids.shape[1]
         verified = np.zeros((len(rows), n), np.int64)
-        ids = np.zeros((len(rows), n, k), np.int64)
-        lps = np.zeros((len(rows), n, k), np.float32)
+        ids = np.zeros((len(rows), n, 1), np.int64)   # the tables keep the top-1
+        lps = np.zeros((len(rows), n, 1), np.float32)
         for j, r in enumerate(rows):
             m = len(r.verified_tokens)
             verified[j, :m] = r.verified_tokens
-            ids[j, :m] = r.topk_ids[:m]
-            lps[j, :m] = r.topk_logprobs[:m]
+            ids[j, :m, 0] = r.topk_ids[:m, 0]
+            lps[j, :m, 0] = r.topk_logprobs[:m, 0]
         num_verified = np.array([len(r.verified_tokens) for r in rows], np.int64)
         num_accepted = np.array([len(r.accepted) - 1 for r in rows], np.int64)
         slots = np.array([self._slot[r.req_id] for r in rows], np.int64)

@@ -1,5 +1,9 @@
 """Token Recycling's device tables: the host chain's drafts, and no host read."""
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -154,7 +158,7 @@ def test_continue_draft_from_device_tables_matches_host():
 
 # ------------------------------------------------------------ the tensor core
 def _tables(device="cpu", order=3, slots=1024, max_slots=8):
-    return DeviceRecyclingTables(V, 4, order, slots, max_slots, 0.02, device)
+    return DeviceRecyclingTables(V, order, slots, max_slots, 0.02, device)
 
 
 def _step_inputs(r, n, k=4, device="cpu", seed=0):
@@ -180,7 +184,7 @@ def test_keys_are_the_polynomial_of_the_context():
 
 def test_rows_past_num_verified_write_nowhere():
     t = _tables()
-    before = {n: getattr(t, n).clone() for n in ("ids", "key", "tok", "lp", "logp")}
+    before = {n: getattr(t, n).clone() for n in ("key", "tok1", "lp", "hist1")}
     slots, verified, ids, lps, nv, na = _step_inputs(4, 3)
     t.learn(slots, verified, ids, lps, torch.zeros(4, dtype=torch.int64),
             torch.zeros(4, dtype=torch.int64))
@@ -188,7 +192,7 @@ def test_rows_past_num_verified_write_nowhere():
         assert torch.equal(getattr(t, n)[:-1], b[:-1]), n
     assert (t.winner == -1).all()
     t.learn(slots, verified, ids, lps, nv, na)
-    assert not torch.equal(t.ids[:-1], before["ids"][:-1])
+    assert not torch.equal(t.tok1[:-1], before["tok1"][:-1])
     assert (t.winner == -1).all()
 
 
@@ -201,8 +205,8 @@ def test_the_last_of_several_rows_for_one_token_wins():
             torch.tensor([1, 0]))
     # Rows in order (request, row): token 5's last valid row is (1, 0);
     # token 9's only row is past request 1's count.
-    assert t.ids[5, 0] == 3 and t.ids[9, 0] == -1
-    assert t.tok[t.slots + 5] == 3 and t.key[t.slots + 5] == 6
+    assert t.next_token(torch.tensor([5, 9])).tolist() == [3, -1]
+    assert t.key[t.slots + 5] == 6
 
 
 @pytest.mark.parametrize("order", [1, 3])
@@ -236,3 +240,18 @@ def test_propose_pads_with_minus_one_where_confidence_falls():
     # 0.9 * 0.5 * 0.04 = 0.018 < 0.02: the chain stops after two tokens.
     assert drafts.tolist() == [[2, 3, -1, -1], [-1, -1, -1, -1]]
     assert conf[0, :2].tolist() == pytest.approx([0.9, 0.5]) and conf[:, 2:].eq(0).all()
+
+
+def test_the_device_check_runs_on_cpu_tensors_without_vllm(tmp_path):
+    """``python -m vllm_plugins.bench tr-device`` at small sizes on the CPU
+    (no graph, no sync mode there), in a process that never imports vLLM."""
+    out = tmp_path / "tr.json"
+    argv = ["tr-device", "--device", "cpu", "--batch-sizes", "1,3", "--steps", "3",
+            "--vocab", "512", "--context-slots", "4096", "--out", str(out)]
+    code = ("import sys\nfrom vllm_plugins.bench.__main__ import main\n"
+            f"assert main({argv!r}) == 0\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'vllm'], 'vllm'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    assert all(r["host_ms"] > 0 and r["topk_ms"] > 0 and "graph_ms" not in r for r in rows)
