@@ -19,6 +19,12 @@ Memory (stated, fixed at start): matrix vocab*k*(4+4) bytes (SmolLM2, k=8:
 the walk's buffers, batch x num_speculative_tokens x 8 bytes, grown to the
 largest batch seen. Tables and walk: ``token_recycling_tables``.
 
+``"tables": "device"`` keeps the tables as tensors on the target's device
+and drafts chains with static-shape torch ops that never read back to the
+host (``token_recycling_device``; its V1 packing ``token_recycling_device_chains``);
+the default, ``"host"``, is the numba walk, cheaper where the tables are in
+host memory anyway.
+
 ``"draft_shape": "tree"`` drafts a tree per request instead, up to
 ``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
 sampling the tree path cannot serve (``vllm_plugins.tree.sampling.tree_allowed``) keep the

@@ -89,20 +89,18 @@ class DeviceChains:
                self._tensor(np.array([len(x) for _, x in items], np.int64)), tables)
 
     def _learn_rows(self, rows) -> None:
-        n = max(len(r.verified_tokens) for r in rows)
-        verified = np.zeros((len(rows), n), np.int64)
-        ids = np.zeros((len(rows), n, 1), np.int64)   # the tables keep the top-1
-        lps = np.zeros((len(rows), n, 1), np.float32)
-        for j, r in enumerate(rows):
-            m = len(r.verified_tokens)
-            verified[j, :m] = r.verified_tokens
-            ids[j, :m, 0] = r.topk_ids[:m, 0]
-            lps[j, :m, 0] = r.topk_logprobs[:m, 0]
-        num_verified = np.array([len(r.verified_tokens) for r in rows], np.int64)
+        lens = np.array([len(r.verified_tokens) for r in rows], np.int64)
+        inside = np.arange(lens.max()) < lens[:, None]     # [R, N]: row j verified
+        verified = np.zeros(inside.shape, np.int64)
+        ids = np.zeros(inside.shape, np.int64)             # the tables keep the top-1
+        lps = np.zeros(inside.shape, np.float32)
+        verified[inside] = np.concatenate([r.verified_tokens for r in rows])
+        ids[inside] = np.concatenate([r.topk_ids[:m, 0] for r, m in zip(rows, lens)])
+        lps[inside] = np.concatenate([r.topk_logprobs[:m, 0] for r, m in zip(rows, lens)])
         num_accepted = np.array([len(r.accepted) - 1 for r in rows], np.int64)
         slots = np.array([self._slot[r.req_id] for r in rows], np.int64)
-        self.tables.learn(*(self._tensor(a) for a in (slots, verified, ids, lps,
-                                                       num_verified, num_accepted)))
+        self.tables.learn(*(self._tensor(a) for a in (slots, verified, ids[:, :, None],
+                                                       lps[:, :, None], lens, num_accepted)))
 
     # ------------------------------------------------------------- drafting
     def draft(self, drafting, tokens: list, conf: list) -> None:
@@ -113,10 +111,10 @@ class DeviceChains:
         longest = max(length for _, _, length in drafting)
         drafts, probs = self.tables.propose(self._tensor(slots), self._tensor(last), longest)
         drafts, probs = drafts.cpu().numpy(), probs.cpu().numpy()
-        for j, (i, _, length) in enumerate(drafting):
-            m = _drafted(drafts[j, :length])
-            tokens[i] = drafts[j, :m].tolist()
-            conf[i] = probs[j, :m]
+        lengths = np.minimum(_drafted(drafts), [length for _, _, length in drafting])
+        for j, (i, _, _) in enumerate(drafting):
+            tokens[i] = drafts[j, :lengths[j]].tolist()
+            conf[i] = probs[j, :lengths[j]]
 
     def continue_draft(self, context: np.ndarray, prefix, n: int) -> np.ndarray:
         """Up to ``n`` tokens after ``context`` + ``prefix``: the chain from
@@ -127,14 +125,14 @@ class DeviceChains:
         window = np.full((1, order), -1, np.int64)
         window[0, order - len(tail):] = tail
         drafts, _ = self.tables.walk(self._tensor(window), n)
-        row = drafts[0].cpu().numpy()
-        return row[:_drafted(row)].astype(np.int64)
+        row = drafts.cpu().numpy()
+        return row[0, :_drafted(row)[0]].astype(np.int64)
 
     def _tensor(self, a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(self.tables.device)
 
 
-def _drafted(row: np.ndarray) -> int:
-    """Tokens before a chain's -1 padding."""
-    stop = np.flatnonzero(row < 0)
-    return int(stop[0]) if len(stop) else len(row)
+def _drafted(drafts: np.ndarray) -> np.ndarray:
+    """Each chain's tokens before its -1 padding (drafts [R, T])."""
+    pad = drafts < 0
+    return np.where(pad.any(1), pad.argmax(1), drafts.shape[1])
