@@ -19,6 +19,12 @@ Memory (stated, fixed at start): matrix vocab*k*(4+4) bytes (SmolLM2, k=8:
 the walk's buffers, batch x num_speculative_tokens x 8 bytes, grown to the
 largest batch seen. Tables and walk: ``token_recycling_tables``.
 
+``"tables": "device"`` keeps the tables as tensors on the target's device
+and drafts chains with static-shape torch ops that never read back to the
+host (``token_recycling_device``; its V1 packing ``token_recycling_device_chains``);
+the default, ``"host"``, is the numba walk, cheaper where the tables are in
+host memory anyway.
+
 ``"draft_shape": "tree"`` drafts a tree per request instead, up to
 ``num_speculative_tokens`` nodes (``token_recycling_tree``); requests whose
 sampling the tree path cannot serve (``vllm_plugins.tree.sampling.tree_allowed``) keep the
@@ -37,6 +43,7 @@ import numpy as np
 from vllm_plugins.options import Option, choice, flag, unit_float
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
+from vllm_plugins.proposers.token_recycling_device_chains import DeviceChains
 from vllm_plugins.proposers.token_recycling_tables import (SEED_LOGP, TABLE_OPTIONS,
                                                            RecyclingTables,
                                                            warm_up)
@@ -58,6 +65,22 @@ def writes_shared_files() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def max_device_slots(vllm_config) -> int:
+    """Request slots of the device tables: the engine's max_num_seqs (more
+    are added if preempted requests wait beside as many running ones)."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return int(getattr(scheduler, "max_num_seqs", None) or 256)
+
+
+def target_device(target_model: Any):
+    """The device of the target's weights (the CPU for a model without any)."""
+    import torch
+
+    for p in getattr(target_model, "parameters", lambda: ())():
+        return p.device
+    return torch.device("cpu")
+
+
 class TokenRecyclingProposer(PluginProposer):
     OPTIONS = (
         *draft_length_options("goodput"),
@@ -69,6 +92,7 @@ class TokenRecyclingProposer(PluginProposer):
         choice("draft_shape", "chain", ("chain", "tree")),
         choice("tree_builder", "best_first", BUILDERS),
         flag("context_branch", True),
+        choice("tables", "host", ("host", "device")),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
     CAN_REST = True   # drafts from the tables and each request's context
@@ -78,6 +102,14 @@ class TokenRecyclingProposer(PluginProposer):
 
     @classmethod
     def check_options(cls, where: str, options: dict) -> None:
+        if options["tables"] == "device":
+            given = [name for name in ("warm_start_path", "save_path") if options[name]]
+            if options["draft_shape"] != "chain" or given:
+                raise ValueError(
+                    f"speculative_config option 'tables' of method '{where}' is 'device', "
+                    f"which drafts chains from tables it does not save or load; got "
+                    f"draft_shape={options['draft_shape']!r}"
+                    + "".join(f", {name}={options[name]!r}" for name in given))
         if options["draft_shape"] == "tree" and options["draft_length"] not in cls.TREE_POLICIES:
             raise ValueError(
                 f"speculative_config option 'draft_length' of method '{where}' must be "
@@ -90,8 +122,14 @@ class TokenRecyclingProposer(PluginProposer):
         o = self.options
         if self.vocab_size is None:
             raise ValueError("token_recycling needs the vocabulary size")
-        self.tables = RecyclingTables(self.vocab_size, o["topk"], o["context_order"],
-                                      o["context_slots"])
+        self.device_chains = None
+        if o["tables"] == "device":
+            self.device_chains = DeviceChains(self.vocab_size, o, max_device_slots(vllm_config))
+            self.tables = None
+            self.TOPK = 1  # the chain reads a matrix row's top-1 only
+        else:
+            self.tables = RecyclingTables(self.vocab_size, o["topk"], o["context_order"],
+                                          o["context_slots"])
         if o["warm_start_path"] and os.path.exists(o["warm_start_path"]):
             self.tables.load(o["warm_start_path"])
         self._seen: set[str] = set()
@@ -105,6 +143,9 @@ class TokenRecyclingProposer(PluginProposer):
 
     def load_model(self, target_model: Any) -> None:
         super().load_model(target_model)
+        if self.device_chains is not None:
+            self.device_chains.to(target_device(target_model))
+            return
         warm_up()  # numba compiles (or loads) the walk now, not in a step
         if self._tree is not None:
             warm_up_tree()
@@ -112,6 +153,8 @@ class TokenRecyclingProposer(PluginProposer):
             atexit.register(self.tables.save, self.options["save_path"])
 
     def free(self, req_id: str) -> None:
+        if self.device_chains is not None:
+            self.device_chains.free(req_id)
         self._seen.discard(req_id)
         self._drafted_trees.pop(req_id, None)
 
@@ -120,6 +163,9 @@ class TokenRecyclingProposer(PluginProposer):
         vectorised pass (row by row, the Python loop was most of the
         learning time); a request's prompt seeds the tables the first time
         it is seen."""
+        if self.device_chains is not None:
+            self.device_chains.learn(ctx)
+            return
         t = self.tables
         inputs, ids, lps = [], [], []
         seqs, ends, starts = [], [], []
@@ -190,7 +236,10 @@ class TokenRecyclingProposer(PluginProposer):
             return Drafts(tokens, None, conf)
         if self._tree is not None:
             return self._draft_trees(ctx, drafting, tokens, conf)
-        self._draft_chains(drafting, tokens, conf)
+        if self.device_chains is not None:
+            self.device_chains.draft(drafting, tokens, conf)
+        else:
+            self._draft_chains(drafting, tokens, conf)
         return Drafts(tokens, None, conf)
 
     def _draft_chains(self, drafting, tokens, conf) -> None:
@@ -264,6 +313,8 @@ class TokenRecyclingProposer(PluginProposer):
         under the same confidence stop as a draft. Reads the tables only."""
         if n <= 0:
             return np.zeros(0, dtype=np.int64)
+        if self.device_chains is not None:
+            return self.device_chains.continue_draft(request.context, prefix, int(n))
         order = max(self.tables.context_order, 1)
         tail = np.concatenate([np.asarray(request.context[-order:], np.int64),
                                np.asarray(prefix, np.int64)])[-order:]

@@ -186,3 +186,24 @@ def test_server_with_speculative_config_matches_plain_decoding(base, prompts,
             "vllm_xargs": {"grammar": json.dumps({"regex": pattern})}})
         assert status == 200, body
         assert body["choices"][0]["token_ids"] == want
+
+
+def test_device_tables_give_plain_decodings_tokens(base, prompts, model_path):
+    """``"tables": "device"`` (CPU tensors here) drafts on V1 from the same
+    code the V2 route runs: six prompts at once, then two again in the slots
+    the first six freed, with the same greedy tokens as plain decoding."""
+    from vllm_plugins.bench.engines import engine_stats, run_batch
+
+    batch = prompts[:6]
+    want = [r.token_ids for r in run_batch(base, batch, greedy(40))[0]]
+    llm = engine(model_path, {"method": "token_recycling", "num_speculative_tokens": 6,
+                              "draft_length": "fixed", "tables": "device"})
+    try:
+        got = [r.token_ids for r in run_batch(llm, batch, greedy(40))[0]]
+        assert got == want
+        again = run_batch(llm, batch[:2], greedy(20))[0]
+        assert [r.token_ids for r in again] == [w[:20] for w in want[:2]]
+        stats = engine_stats(llm)
+        assert stats["accepted"] > 0 and stats["proposer"]["num_errors"] == 0, stats
+    finally:
+        shutdown(llm)

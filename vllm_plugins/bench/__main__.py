@@ -67,6 +67,11 @@ def _tree_kernels_gpu():
     return tree_kernels_gpu
 
 
+def _tr_device():
+    from vllm_plugins.bench import tr_device
+    return tr_device
+
+
 # name -> (loader of the module whose parse_args and main it runs, what it measures)
 SUBCOMMANDS = {
     "methods": (_methods, "speculative methods side by side on Spec-Bench dev: "
@@ -89,6 +94,8 @@ SUBCOMMANDS = {
     "kernel-sizes": (_kernel_sizes, "a new token count in vLLM's CPU linear layers; "
                                     "the tree attention twin's CPU time"),
     "tree-kernels-gpu": (_tree_kernels_gpu, "the tree kernels' cost on a CUDA GPU"),
+    "tr-device": (_tr_device, "Token Recycling's device tables: learn plus propose per "
+                              "step, eager and in a CUDA graph, no vLLM"),
 }
 
 PROG = "python -m vllm_plugins.bench"

@@ -1,0 +1,188 @@
+"""Token Recycling's device tables: what a step of learning plus drafting
+costs, without vLLM.
+
+For each batch size, synthetic steps (random verified rows, the target's
+top-k, verified and accepted counts) go through ``learn`` then ``propose``
+on tables of the default model's size, warmed by a few steps and a seeded
+prompt per request. Reported per batch size, in milliseconds per step:
+
+- ``host``: the calling thread's CPU time (``time.thread_time``) of learn
+  plus propose, eager, the median step: on a GPU the cost of launching the
+  ops, on the CPU all the work. ``learn`` and ``propose``: their medians.
+- ``wall``: eager wall time per step (the device's queue drained at the end).
+- ``graph``: one CUDA graph of learn plus propose, replayed (CUDA only).
+- ``topk``: ``torch.topk`` over the step's verified rows' logits, which the
+  bridge runs before learning (one kernel on a GPU), timed apart.
+
+On CUDA every learn and propose runs under
+``torch.cuda.set_sync_debug_mode("error")``: an op that waits for the device
+raises, so a clean run shows the step never reads back to the host.
+Imports torch and the tables only, never vLLM.
+
+    python -m vllm_plugins.bench tr-device --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from vllm_plugins.bench.cli import _int_list
+from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m vllm_plugins.bench tr-device",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 64, 256])
+    p.add_argument("--vocab", type=int, default=49152, help="default: SmolLM2's")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--context-order", type=int, default=3)
+    p.add_argument("--context-slots", type=int, default=1 << 20)
+    p.add_argument("--draft", type=int, default=6, help="tokens drafted per request")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
+    p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    return p.parse_args(argv)
+
+
+class Steps:
+    """Synthetic steps for ``r`` requests: a few input sets, cycled."""
+
+    def __init__(self, args, r: int, device, sets: int = 4, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        n, k, v = args.draft + 1, args.topk, args.vocab
+        self.inputs = []
+        for _ in range(sets):
+            verified = torch.randint(0, v, (r, n), generator=g)
+            ids = torch.randint(0, v, (r, n, k), generator=g)
+            lps = torch.rand(r, n, k, generator=g).log().sort(2, descending=True).values
+            nv = torch.randint(1, n + 1, (r,), generator=g)
+            na = (torch.rand(r, generator=g) * nv).long().clamp(max=nv - 1)
+            last = torch.randint(0, v, (r,), generator=g)
+            self.inputs.append([x.to(device) for x in (verified, ids, lps, nv, na, last)])
+        self.slots = torch.arange(r, device=device)
+        self.prompts = torch.randint(0, v, (r, 64), generator=g).to(device)
+        self.logits = torch.randn(r * n, v, generator=g).to(device)
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _NoSyncs:
+    """``set_sync_debug_mode("error")`` on CUDA while inside."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def measure(args, r: int, device) -> dict:
+    t = DeviceRecyclingTables(args.vocab, args.context_order, args.context_slots, r, 0.02,
+                              device)
+    s = Steps(args, r, device)
+    with torch.inference_mode(), _NoSyncs(device):
+        t.seed(s.slots, s.prompts, torch.full((r,), 64, device=device))
+        for inp in s.inputs * 2:  # warm: tables filled, allocator warm
+            t.learn(s.slots, *inp[:5])
+            t.propose(s.slots, inp[5], args.draft)
+    _sync(device)
+    learn_s, propose_s = [], []
+    with torch.inference_mode():
+        wall = time.perf_counter()
+        with _NoSyncs(device):
+            for i in range(args.steps):
+                inp = s.inputs[i % len(s.inputs)]
+                c0 = time.thread_time()
+                t.learn(s.slots, *inp[:5])
+                c1 = time.thread_time()
+                t.propose(s.slots, inp[5], args.draft)
+                c2 = time.thread_time()
+                learn_s.append(c1 - c0)
+                propose_s.append(c2 - c1)
+        _sync(device)
+        wall = time.perf_counter() - wall
+        row = {"batch": r, "learn_ms": 1e3 * statistics.median(learn_s),
+               "propose_ms": 1e3 * statistics.median(propose_s),
+               "host_ms": 1e3 * statistics.median(map(sum, zip(learn_s, propose_s))),
+               "wall_ms": 1e3 * wall / args.steps,
+               "topk_ms": _time_topk(s.logits, args.topk, args.steps, device)}
+        if device.type == "cuda":
+            row["graph_ms"] = _time_graph(t, s, args, device)
+    return row
+
+
+def _time_topk(logits, k: int, steps: int, device) -> float:
+    torch.topk(logits, k)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        torch.topk(logits, k)
+    _sync(device)
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
+def _time_graph(t, s, args, device) -> float:
+    """Learn plus propose captured once, replayed on new inputs copied into
+    the captured ones."""
+    static = [x.clone() for x in s.inputs[0]]
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream), _NoSyncs(device):
+        for _ in range(2):
+            t.learn(s.slots, *static[:5])
+            t.propose(s.slots, static[5], args.draft)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), _NoSyncs(device):
+        t.learn(s.slots, *static[:5])
+        t.propose(s.slots, static[5], args.draft)
+    _sync(device)
+    start = time.perf_counter()
+    with _NoSyncs(device):
+        for i in range(args.steps):
+            for dst, src in zip(static, s.inputs[i % len(s.inputs)]):
+                dst.copy_(src, non_blocking=True)
+            graph.replay()
+    _sync(device)
+    return 1e3 * (time.perf_counter() - start) / args.steps
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tr-device: --device cuda, but torch sees no CUDA device")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a step's own time, not the host's cores
+    t = DeviceRecyclingTables(args.vocab, args.context_order, args.context_slots, 1, 0.02,
+                              "meta")
+    print(f"tr-device on {device}: vocab {args.vocab}, k {args.topk}, context_order "
+          f"{args.context_order}, {args.context_slots} slots "
+          f"({t.nbytes() / 2**20:.1f} MiB), draft {args.draft}, {args.steps} steps; ms/step")
+    cols = ["batch", "host_ms", "learn_ms", "propose_ms", "wall_ms", "graph_ms", "topk_ms"]
+    print(" ".join(f"{c:>10}" for c in cols))
+    rows = []
+    for r in args.batch_sizes:
+        row = measure(args, r, device)
+        rows.append(row)
+        print(" ".join(f"{row[c]:>10.3f}" if c in row and c != "batch" else
+                       f"{row.get(c, '-'):>10}" for c in cols), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return 0
