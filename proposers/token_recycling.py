@@ -141,6 +141,16 @@ class TokenRecyclingProposer(PluginProposer):
         # verified rows are read against it.
         self._drafted_trees: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
+    def device_drafter(self):
+        """With ``"tables": "device"``, the device route over the same
+        tables (Model Runner V2 serves it with no host read in its step)."""
+        if self.device_chains is None:
+            return None
+        from vllm_plugins.proposers.token_recycling_device_step import DeviceRecyclingDrafter
+
+        return DeviceRecyclingDrafter(self.device_chains.tables,
+                                      self.options["seed_from_prompt"])
+
     def load_model(self, target_model: Any) -> None:
         super().load_model(target_model)
         if self.device_chains is not None:

@@ -24,6 +24,8 @@ from vllm_plugins.v2_on_cpu import enable
 # Every method V2 serves, as a chain (V2 verifies chains).
 V2_METHODS = {
     "token_recycling": {"method": "token_recycling"},
+    # Its tables on the target's device: the step reads nothing back.
+    "token_recycling_device": {"method": "token_recycling", "tables": "device"},
     "stand": {"method": "stand"},
     "hybrid": {"method": "hybrid", "draft_shape": "chain"},
     "ngram_adaptive": {"method": "ngram_adaptive"},

@@ -103,8 +103,8 @@ PROG = "python -m vllm_plugins.bench"
 
 def usage() -> str:
     width = max(map(len, SUBCOMMANDS))
-    lines = [f"usage: {PROG} <what> [options]  ({PROG} <what> --help)", "",
-             "what:"]
+    lines = [f"usage: {PROG} [--runner v1|v2] <what> [options]  ({PROG} <what> --help)",
+             "", "what:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -117,8 +117,36 @@ def load(name: str):
     return SUBCOMMANDS[name][0]()
 
 
+RUNNERS = ("v1", "v2")
+
+
+def choose_runner(name: str) -> None:
+    """``--runner v1|v2``: the model runner every engine of the run gets,
+    through vLLM's own ``VLLM_USE_V2_MODEL_RUNNER`` (a method V2 cannot
+    serve is then refused, not moved to V1). Without CUDA, V2 runs through
+    Triton's interpreter (``vllm_plugins.v2_on_cpu``): exact and slow, so
+    compare MAT there, not speed. Before vLLM is imported."""
+    import os
+
+    if name not in RUNNERS:
+        raise SystemExit(f"{PROG}: --runner must be one of {list(RUNNERS)}, got {name!r}")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if name == "v2" else "0"
+    if name == "v2":
+        import torch
+
+        if not torch.cuda.is_available():
+            from vllm_plugins.v2_on_cpu import enable
+
+            enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--runner"]:
+        if len(argv) < 2:
+            raise SystemExit(f"{PROG}: --runner needs v1 or v2")
+        choose_runner(argv[1])
+        argv = argv[2:]
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2

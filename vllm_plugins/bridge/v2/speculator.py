@@ -201,18 +201,25 @@ def draft_logits_block(padded: np.ndarray, probs: list, lengths: list[int],
 
 
 _SUBCLASS = None
+_DEVICE_SUBCLASS = None
 
 
 def make_speculator(vllm_config, device, req_states):
     """Our proposer (built as vLLM's custom_class route builds it) inside a
     V2 drafter."""
-    global _SUBCLASS
+    global _SUBCLASS, _DEVICE_SUBCLASS
     if _SUBCLASS is None:
         _SUBCLASS = type("PluginSpeculatorV2", (PluginSpeculator, _base()), {})
     from vllm_plugins.registry import METHODS, PLUGIN_OPTIONS_ATTR
 
     options = getattr(vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR)
     proposer = METHODS[options["method"]].proposer_class()(vllm_config)
+    if proposer.device_drafter() is not None:  # the device route
+        from vllm_plugins.bridge.v2.device_speculator import DeviceSpeculator
+
+        if _DEVICE_SUBCLASS is None:
+            _DEVICE_SUBCLASS = type("DeviceSpeculatorV2", (DeviceSpeculator, _base()), {})
+        return _DEVICE_SUBCLASS(vllm_config, device, req_states, proposer)
     return _SUBCLASS(vllm_config, device, req_states, proposer)
 
 
@@ -237,7 +244,7 @@ def wrap_load_model(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         speculator = getattr(self, "speculator", None)
-        if isinstance(speculator, PluginSpeculator):
+        if type(speculator) in (_SUBCLASS, _DEVICE_SUBCLASS):
             speculator.attach(self)
         return out
 

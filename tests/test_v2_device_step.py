@@ -1,0 +1,70 @@
+"""Token Recycling's device route (``DeviceRecyclingDrafter.device_step``,
+what V2 calls with ``"tables": "device"``) reads nothing back to the host:
+it runs unchanged on meta tensors (any read of a value would raise), its
+shapes follow the batch size and k only, and on CPU tensors it learns what
+a verified row says and drafts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_plugins.drafter import DeviceStep
+from vllm_plugins.proposers.token_recycling_device_step import DeviceRecyclingDrafter, verified_rows
+from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
+
+VOCAB, K = 64, 3
+
+
+def device_step(tables, slots, cu, inputs, top1, lps, sampled, last, k, new=None):
+    step = DeviceStep(slots, cu, inputs, top1, lps, sampled, last, k)
+    if new is not None:
+        step.new_slots, step.new_tokens, step.new_lengths = new
+    return DeviceRecyclingDrafter(tables, seed_from_prompt=True).device_step(step)
+
+
+def step_inputs(device, num_reqs):
+    # Request 0 verified its k drafts plus the bonus row; request 1 is a
+    # prefill's last row; request 2 a prefill chunk that sampled nothing.
+    counts = [K + 1, 1, 1][:num_reqs]
+    cu = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+    rows = int(cu[-1])
+    inputs = torch.arange(rows, dtype=torch.int64) + 5
+    top1 = (inputs + 1) % VOCAB
+    lps = torch.full((rows,), -0.1)
+    sampled = torch.tensor([2, 1, 0][:num_reqs], dtype=torch.int32)
+    last = torch.tensor([7, 9, 11][:num_reqs], dtype=torch.int64)
+    slots = torch.tensor([4, 0, 2][:num_reqs], dtype=torch.int64)
+    return [t.to(device) for t in (slots, cu, inputs, top1, lps, sampled, last)]
+
+
+@pytest.mark.parametrize("num_reqs", [1, 3])
+def test_the_step_runs_on_tensors_that_cannot_be_read_back(num_reqs):
+    tables = DeviceRecyclingTables(VOCAB, 3, 256, 8, 0.02, "meta")
+    new = (torch.tensor([4], device="meta"), torch.zeros(1, 6, dtype=torch.int64,
+                                                           device="meta"),
+           torch.tensor([6], device="meta"))
+    drafts = device_step(tables, *step_inputs("meta", num_reqs), K, new=new)
+    assert drafts.device.type == "meta"
+    assert drafts.shape == (num_reqs, K) and drafts.dtype == torch.int64
+
+
+def test_the_step_learns_the_verified_rows_and_drafts_them():
+    tables = DeviceRecyclingTables(VOCAB, 1, 256, 8, 0.02, "cpu")
+    slots, cu, inputs, top1, lps, sampled, last = step_inputs("cpu", 3)
+    drafts = device_step(tables, slots, cu, inputs, top1, lps, sampled, last, K)
+    # Every input row of the two requests that sampled was learned: its
+    # top-1 is the next token, so a chain from 7 walks 8, 9, 10 ...
+    assert tables.next_token(torch.tensor([5, 6, 7, 8, 9])).tolist() == [6, 7, 8, 9, 10]
+    # ... and the chunk's row (input 10) was not.
+    assert tables.next_token(torch.tensor([10])).tolist() == [-1]
+    assert drafts[0].tolist() == [8, 9, 10]
+    # Where the tables know nothing the row is padded with the last token.
+    assert drafts[2].tolist() == [11, 11, 11]
+
+
+def test_rows_past_a_request_are_clamped_and_not_counted():
+    cu = torch.tensor([0, 4, 5], dtype=torch.int32)
+    rows, count = verified_rows(cu, torch.tensor([3, 0]), 4, 5)
+    assert rows.tolist() == [[0, 1, 2, 3], [4, 4, 4, 4]]
+    assert count.tolist() == [4, 0]
