@@ -44,7 +44,7 @@ from vllm_plugins.proposers.sources import SourceTree, default_sources, source_c
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 from vllm_plugins.proposers.sources.merge import MAX_SOURCES, MergedStep, Merger, StepTrees
 from vllm_plugins.proposers.sources.merge import warm_up as warm_up_merge
-from vllm_plugins.proposers.sources.request import speculation_request
+from vllm_plugins.proposers.sources.request import chosen_sources
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.tree.sampling import tree_allowed
 
@@ -165,17 +165,22 @@ class HybridProposer(PluginProposer):
             return None
 
     def _request_options(self, r: RequestStep) -> tuple[int | None, tuple[int, ...]]:
-        """(draft cap, source indices) of a request's extra_args; a malformed
-        one (the front end refuses it first) drafts nothing."""
-        extra = getattr(r.sampling_params, "extra_args", None)
+        """(draft cap, source indices) of a request's parsed
+        ``speculation``; a malformed one (the front end refuses it first)
+        drafts nothing."""
+        spec = r.speculation
         try:
-            cap, names = speculation_request(extra, self.max_draft, self.source_names)
-        except ValueError:
+            if spec is not None and spec.problem is not None:
+                raise ValueError(spec.problem)
+            names = chosen_sources(spec, self.source_names)
+        except ValueError as e:
             self.request_errors += 1
             if not self._logged_request:
                 self._logged_request = True
-                logger.exception("request %s: bad extra_args; no drafts for it", r.req_id)
+                logger.error("request %s: bad extra_args (%s); no drafts for it",
+                             r.req_id, e)
             return 0, ()
+        cap = None if spec is None else spec.max_draft
         if names is None:
             return cap, tuple(range(len(self.sources)))
         return cap, tuple(self.source_names.index(n) for n in names)

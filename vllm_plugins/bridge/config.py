@@ -76,33 +76,54 @@ _UNSAFE_PARALLEL = {
 def wrap_params_validator(original):
     # vllm.v1.engine.input_processor.InputProcessor
     #     ._build_logits_processors_params_validator(self) -> Callable[[SamplingParams], None]
-    # is built once per engine in the front end. With speculative decoding the
-    # V1 runner drops custom logits processors, so a grammar request would be
-    # decoded unconstrained: this engine's validator refuses it instead.
+    # is built once per engine in the front end, with that engine's config.
+    # Its validator admits a request's extra_args["speculation"] against this
+    # engine's speculative config (refused by name where the engine does not
+    # draft with our methods). With speculative decoding the V1 runner drops
+    # custom logits processors, so a grammar request would be decoded
+    # unconstrained: this engine's validator refuses it instead.
     @functools.wraps(original)
     def build_validator(self):
         validate = original(self)
         from vllm_plugins.logits_processors.grammar import (
             engine_drops_processors, refuse_grammar_requests)
+        from vllm_plugins.proposers.sources.request import admit
 
         reason = engine_drops_processors(self.vllm_config)
-        if reason is None:
-            return validate
+        engine, engine_method = speculation_engine(self.vllm_config)
 
-        def validate_or_refuse(params):
+        def validate_request(params):
             # vllm.exceptions.VLLMValidationError is what the server answers
             # with HTTP 400 (vLLM converts validate_params' ValueErrors too).
             from vllm.exceptions import VLLMValidationError
 
             try:
-                refuse_grammar_requests(params, reason)
+                admit(params, engine, engine_method)
+                if reason is not None:
+                    refuse_grammar_requests(params, reason)
             except ValueError as e:
                 raise VLLMValidationError(str(e)) from e
             validate(params)
 
-        return validate_or_refuse
+        return validate_request
 
     return build_validator
+
+
+def speculation_engine(vllm_config):
+    """((our method, num_speculative_tokens, hybrid sources or None) or None,
+    the engine's speculative method or None): what a request's
+    ``extra_args["speculation"]`` is admitted against."""
+    from vllm_plugins.registry import engine_sources
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None, None
+    options = getattr(spec, PLUGIN_OPTIONS_ATTR, None)
+    if options is None:
+        return None, getattr(spec, "method", None)
+    return ((options["method"], int(spec.num_speculative_tokens),
+             engine_sources(options)), options["method"])
 
 
 def wrap_lookahead(original: property) -> property:

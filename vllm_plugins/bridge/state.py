@@ -94,6 +94,9 @@ class RunnerState:
     tree_layout_checked: bool = False
     # Whether a malformed draft of this runner's proposer was logged.
     malformed_logged: bool = False
+    # Each running request's parsed extra_args["speculation"] (None
+    # without one), parsed at its first step, dropped when it finishes.
+    speculation: dict = field(default_factory=dict)
 
 
 def state_of(runner) -> RunnerState | None:

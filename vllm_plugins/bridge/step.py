@@ -16,6 +16,7 @@ import torch
 
 from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import RunnerState, TopkStash
+from vllm_plugins.proposers.sources.request import worker_speculation
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
 
@@ -85,6 +86,10 @@ def build_context(runner, state: RunnerState, scheduler_output,
     row = 0
     draft_off = 0
     requests = []
+    finished = take_finished(state, scheduler_output)
+    parsed = state.speculation
+    for req_id in finished:
+        parsed.pop(req_id, None)
     for i, req_id in enumerate(req_ids):
         accepted = np.asarray(sampled_token_ids[i] if i < len(sampled_token_ids)
                               else [], dtype=np.int64)
@@ -105,6 +110,8 @@ def build_context(runner, state: RunnerState, scheduler_output,
         req_state = runner.requests.get(req_id)
         params = getattr(req_state, "sampling_params", None)
         temperature = float(getattr(params, "temperature", 0.0) or 0.0)
+        if req_id not in parsed:
+            parsed[req_id] = worker_speculation(params, state.proposer.max_draft)
         requests.append(RequestStep(
             req_id=req_id,
             accepted=accepted,
@@ -117,6 +124,7 @@ def build_context(runner, state: RunnerState, scheduler_output,
             temperature=temperature,
             sampling_params=params,
             group_id=group_of(req_id, req_state),
+            speculation=parsed[req_id],
         ))
     gap, state.gap_seconds = state.gap_seconds, None
     # Controllers decide from these seconds: under tensor parallel every rank
@@ -128,7 +136,7 @@ def build_context(runner, state: RunnerState, scheduler_output,
         gap)
     return StepContext(
         requests=requests,
-        finished=take_finished(state, scheduler_output),
+        finished=finished,
         max_draft=state.proposer.max_draft,
         last_step_seconds=step_seconds,
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
