@@ -119,8 +119,14 @@ class HybridProposer(PluginProposer):
                 raise ValueError(f"speculative_config option 'source_options' of method "
                                  f"'{where}': options of source {name!r} must be a dict, "
                                  f"got {opts!r}")
-            out.append((name, klass, resolve(name, klass.OPTIONS, opts, scope="draft source",
-                                             label="draft source option")))
+            resolved = resolve(name, klass.OPTIONS, opts, scope="draft source",
+                               label="draft source option")
+            try:
+                klass.check_options(resolved)
+            except ValueError as e:
+                raise ValueError(f"speculative_config option 'source_options' of method "
+                                 f"'{where}': {e}") from None
+            out.append((name, klass, resolved))
         return out
 
     def __init__(self, vllm_config=None, options: dict | None = None,
@@ -131,7 +137,7 @@ class HybridProposer(PluginProposer):
         self.sources = [klass(opts, self.vocab_size, self.max_draft)
                         for _, klass, opts in specs]
         self.TOPK = max(s.TOPK for s in self.sources)
-        self.merger = Merger(len(self.sources))
+        self.merger = Merger(len(self.sources), self.vocab_size)
         self.calibrator = SourceCalibrator(len(self.sources), depth=max(self.max_draft, 1))
         self._merged: dict[str, MergedTree] = {}
         self._logged_source: set[int] = set()
@@ -235,14 +241,12 @@ class HybridProposer(PluginProposer):
         return Drafts(tokens, None, conf, parents)
 
     def _propose(self, k: int, r: RequestStep, budget: int) -> SourceTree | None:
-        """Source k's tree for one request, None when empty. The contract's
+        """Source k's tree for one request, None when empty; ValueError for a
+        tree of the wrong types or shapes (``SourceTree.conformed``,
+        in ``_guard``: it costs source k's candidates only). The contract's
         per-node rules are checked in the merge (``merge_step``'s status)."""
-        t = self.sources[k].propose(r, budget)
-        n = len(t.tokens)
-        if len(t.parents) != n or len(t.confidence) != n:
-            raise ValueError(f"tokens, parents and confidence differ in length "
-                             f"({n}, {len(t.parents)}, {len(t.confidence)})")
-        return t if n else None
+        t = self.sources[k].propose(r, budget).conformed()
+        return t if len(t.tokens) else None
 
     def _source_failed(self, k: int, problem: str) -> None:
         """A tree the merge refused: it costs source k's candidates for that

@@ -189,7 +189,8 @@ def test_a_failing_source_costs_only_its_own_candidates(monkeypatch, caplog):
     assert sum("broken" in r.getMessage() for r in caplog.records) == 1   # logged once
 
 
-def install_example_source(tmp_path, monkeypatch):
+def install_example_source(tmp_path, monkeypatch, name="bigram",
+                           value="tests.hybrid_example_source:BigramSource"):
     """tests/hybrid_example_source.py's BigramSource installed as another
     package would install it: a distribution whose entry point in the
     ``vllm_plugins.draft_sources`` group names it ``bigram``."""
@@ -197,11 +198,34 @@ def install_example_source(tmp_path, monkeypatch):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: example-source\n"
                                    "Version: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
+    (dist / "entry_points.txt").write_text(textwrap.dedent(f"""\
         [vllm_plugins.draft_sources]
-        bigram = tests.hybrid_example_source:BigramSource
+        {name} = {value}
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_what_a_source_cannot_start_with_is_refused_by_translate(tmp_path, monkeypatch):
+    """Refused in the front end, before a model loads, naming the option:
+    options that fit each bound but not each other, and a source from an
+    entry point whose module does not import."""
+    with pytest.raises(ValueError, match=r"'source_options' of method 'hybrid'.*"
+                                         r"'prompt_lookup_min' of source 'ngram' must be <= "
+                                         r"'prompt_lookup_max' \(5\), got 6"):
+        translate({"method": "hybrid", "sources": ["ngram"],
+                   "source_options": {"ngram": {"prompt_lookup_min": 6}}})
+    with pytest.raises(ValueError, match=r"'source_options' of method 'hybrid' \(inner of"):
+        translate({"method": "grammar_forced", "inner": {
+            "method": "hybrid", "sources": ["ngram"],
+            "source_options": {"ngram": {"prompt_lookup_min": 6}}}})
+    install_example_source(tmp_path, monkeypatch, "missing",
+                           "no_such_package_here.source:Missing")
+    with pytest.raises(ValueError, match=r"option 'sources' of method 'hybrid': draft "
+                                         r"source 'missing' \(entry point "
+                                         r"no_such_package_here.source:Missing in group "
+                                         r"vllm_plugins.draft_sources\) cannot be loaded: "
+                                         r"ModuleNotFoundError"):
+        translate({"method": "hybrid", "sources": ["missing", "ngram"]})
 
 
 def test_a_source_from_an_entry_point_is_usable_by_name(tmp_path, monkeypatch):
