@@ -243,7 +243,8 @@ def check_drafts(runner, state: RunnerState, req_ids, drafts: Drafts) -> Drafts:
     from vllm_plugins.tree.checked import drop_malformed
 
     vocab = getattr(runner.input_batch, "vocab_size", None)
-    drafts, bad = drop_malformed(drafts, req_ids, None if vocab is None else int(vocab))
+    drafts, bad = drop_malformed(drafts, req_ids, None if vocab is None else int(vocab),
+                                 state.proposer.max_draft)
     if bad:
         state.counters.malformed_drafts += len(bad)
         if not state.malformed_logged:
