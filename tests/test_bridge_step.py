@@ -173,7 +173,7 @@ def test_counting_is_opt_in_for_vllms_own_drafters():
     propose(worker.model_runner, None, [[4, 6]], None, None, None, None, md)
     assert read(worker) == {"steps": 1, "drafted": 2, "accepted": 1, "tokens": 2,
                             "tree_steps": 0, "tree_only_steps": 0, "tree_requests": 0,
-                            "kv_moved": 0, "malformed_drafts": 0}
+                            "kv_moved": 0, "malformed_drafts": 0, "rank_disagreements": 0}
 
 
 # ------------------------------------------------------------- start-up

@@ -257,6 +257,35 @@ def check_drafts(runner, state: RunnerState, req_ids, drafts: Drafts) -> Drafts:
     return drafts
 
 
+def agree_across_ranks(state: RunnerState, ctx: StepContext, tokens: list[list[int]],
+                       probs: list | None) -> None:
+    """Under tensor parallel, each request whose draft differs between
+    ranks (``ranks.differing_drafts``) drafts nothing this step, on every
+    rank (in place); logged once, counted in ``rank_disagreements``."""
+    if not ranks.in_tensor_parallel():
+        return
+    digests = []
+    for i, r in enumerate(ctx.requests):
+        tree = state.trees.get(r.req_id)
+        digests.append(ranks.draft_digest(
+            tokens[i], None if tree is None else tree.parents,
+            probs[i] if probs is not None else None))
+    differ = ranks.differing_drafts(digests)
+    for i in differ:
+        tokens[i] = []
+        if probs is not None:
+            probs[i] = None
+        state.trees.pop(ctx.requests[i].req_id, None)
+    if differ:
+        state.counters.rank_disagreements += len(differ)
+        if not state.rank_disagreement_logged:
+            state.rank_disagreement_logged = True
+            logger.warning("%s drafted differently on tensor-parallel ranks for request "
+                           "%s; such drafts are dropped on every rank for that step "
+                           "(logged once, counted in rank_disagreements)",
+                           type(state.proposer).__name__, ctx.requests[differ[0]].req_id)
+
+
 def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
             common_attn_metadata=None, aux_hidden_states=None) -> list[list[int]]:
     """Our proposer's drafts for this step, in batch order."""
@@ -268,6 +297,7 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     drafts: Drafts = proposer.step(ctx)
     state.propose_seconds = time.perf_counter() - start
     tokens, probs = record_trees(runner, state, ctx, drafts)
+    agree_across_ranks(state, ctx, tokens, probs)
     set_draft_probs(runner, Drafts(tokens, probs), tokens)
     if state.digest is not None:
         state.digest.add(ctx, tokens, drafts.probs)
