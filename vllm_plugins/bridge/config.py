@@ -34,6 +34,38 @@ def wrap_create_speculative_config(original):
     return create_speculative_config
 
 
+def wrap_refuse_our_methods(original):
+    # As wrap_create_speculative_config, on a vLLM the bridge was not checked
+    # against: our method names are refused, everything else is vLLM's.
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        if isinstance(self.speculative_config, dict):
+            refuse_our_method(self.speculative_config)
+        return original(self, *args, **kwargs)
+
+    return create_speculative_config
+
+
+def refuse_our_method(user: dict) -> None:
+    """ValueError, with ``vllm_plugins.unsupported_vllm``'s reason, for a
+    speculative config that names one of our methods."""
+    from vllm_plugins import unsupported_vllm
+    from vllm_plugins.registry import BY_CLASS_PATH, METHODS, vllm_method_names
+
+    method, model = user.get("method"), user.get("model")
+    try:
+        vllm_names = vllm_method_names()
+    except Exception:  # noqa: BLE001 - a vLLM whose method list moved
+        vllm_names = set()
+    ours = ((isinstance(method, str) and method in METHODS and method not in vllm_names)
+            or (method in (None, "custom_class") and isinstance(model, str)
+                and model in BY_CLASS_PATH))
+    reason = unsupported_vllm()
+    if ours and reason is not None:
+        raise ValueError(f"speculative method {method if method != 'custom_class' else model!r} "
+                         f"is vllm-plugins', which is off: {reason}")
+
+
 def refuse_unsafe(method: str, speculative_config, parallel_config) -> None:
     """Combinations our methods cannot serve exactly, refused by name."""
     import vllm.envs as envs
