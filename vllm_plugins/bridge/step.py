@@ -16,7 +16,6 @@ import torch
 
 from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import RunnerState, TopkStash
-from vllm_plugins.proposers.sources.request import worker_speculation
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
 
@@ -111,6 +110,11 @@ def build_context(runner, state: RunnerState, scheduler_output,
         params = getattr(req_state, "sampling_params", None)
         temperature = float(getattr(params, "temperature", 0.0) or 0.0)
         if req_id not in parsed:
+            # Imported here: the bridge's modules load without numba (which
+            # the proposers' package imports), as plain vLLM needs on a vLLM
+            # the bridge was not checked against (vllm_plugins.register).
+            from vllm_plugins.proposers.sources.request import worker_speculation
+
             parsed[req_id] = worker_speculation(params, state.proposer.max_draft)
         requests.append(RequestStep(
             req_id=req_id,
