@@ -80,7 +80,6 @@ from vllm_plugins.grammar.spec import (
     request_options,
     validate_grammar_request,
 )
-from vllm_plugins.proposers.sources.request import validate_speculation
 from vllm_plugins.tree.sampling import is_greedy
 
 if TYPE_CHECKING:
@@ -154,10 +153,7 @@ class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2Logit
 
     @classmethod
     def validate_params(cls, sampling_params: "SamplingParams") -> None:
-        """Called by vLLM's frontend for every request; a ValueError fails only that request.
-        Also checks the request's ``extra_args["speculation"]`` (this is the
-        package's one admission hook)."""
-        validate_speculation(sampling_params.extra_args)
+        """Called by vLLM's frontend for every request; a ValueError fails only that request."""
         compiled = validate_grammar_request(sampling_params.extra_args)
         if compiled is None:
             return

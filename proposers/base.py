@@ -192,7 +192,7 @@ class PluginProposer:
         for i, r in enumerate(ctx.requests):
             if not r.in_prefill:
                 budget = self.draft_budget(ctx, r.req_id)
-                cap = request_draft_cap(r.sampling_params, ctx.max_draft)
+                cap = request_draft_cap(r)
                 yield i, r, budget if cap is None else min(budget, cap)
 
     def free(self, req_id: str) -> None:
@@ -229,19 +229,12 @@ class PluginProposer:
         return make_controller(name, options, self.max_draft)
 
 
-def request_draft_cap(sampling_params, max_draft: int) -> int | None:
+def request_draft_cap(request: RequestStep) -> int | None:
     """A request's own draft cap (``extra_args["speculation"]["max_draft"]``,
-    ``sources.request``), or None. A request the front end should have
-    refused drafts nothing."""
-    extra = getattr(sampling_params, "extra_args", None)
-    if not extra or "speculation" not in extra:
-        return None
-    from vllm_plugins.proposers.sources.request import speculation_request
-
-    try:
-        return speculation_request(extra, max_draft, check_sources=False)[0]
-    except ValueError:
-        return 0
+    parsed once by the bridge: ``RequestStep.speculation``), or None. A
+    request the front end should have refused drafts nothing (cap 0)."""
+    spec = request.speculation
+    return None if spec is None else spec.max_draft
 
 
 def cap_requests(ctx: StepContext, drafts: Drafts) -> Drafts:
@@ -251,7 +244,7 @@ def cap_requests(ctx: StepContext, drafts: Drafts) -> Drafts:
     keep = [len(t) for t in drafts.tokens]
     capped = False
     for i, r in enumerate(ctx.requests[:len(keep)]):
-        cap = request_draft_cap(r.sampling_params, ctx.max_draft)
+        cap = request_draft_cap(r)
         if cap is not None and cap < keep[i]:
             keep[i], capped = cap, True
     return trim(drafts, keep) if capped else drafts

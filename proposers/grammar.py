@@ -46,6 +46,7 @@ from vllm_plugins.options import Option
 from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token
 from vllm_plugins.proposers.grammar_drafts import RequestGrammar
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
+from vllm_plugins.tree.draft import chain_length
 
 logger = logging.getLogger("vllm_plugins")
 
@@ -232,8 +233,12 @@ class GrammarProposer(PluginProposer):
         probs = list(inner.probs) if inner is not None and inner.probs is not None else None
         conf = (list(inner.confidence) if inner is not None and inner.confidence is not None
                 else None)
+        # The inner's trees pass through as trees: a request without a
+        # grammar is verified as the inner drafted it.
+        parents = (list(inner.parents) if inner is not None and inner.parents is not None
+                   else None)
         if not self.enabled:
-            return Drafts(tokens, probs, conf)
+            return Drafts(tokens, probs, conf, parents)
         for i, r in enumerate(ctx.requests):
             if r.in_prefill:
                 continue
@@ -250,6 +255,16 @@ class GrammarProposer(PluginProposer):
             state = self._state(r)
             if state is None:
                 continue
+            if parents is not None and parents[i] is not None:
+                # The grammar drafts a chain: it continues the inner tree's
+                # chain prefix (its first path), and the siblings are dropped.
+                m = chain_length(parents[i])
+                parents[i] = None
+                tokens[i] = tokens[i][:m]
+                if probs is not None and probs[i] is not None:
+                    probs[i] = probs[i][:m]
+                if conf is not None and conf[i] is not None:
+                    conf[i] = conf[i][:m]
             toks, forced = state.draft(
                 self.draft_budget(ctx, r.req_id), tokens[i],
                 recent=[int(t) for t in r.context[-8:]],
@@ -266,7 +281,7 @@ class GrammarProposer(PluginProposer):
                 conf = conf if conf is not None else [None] * n
                 conf[i] = self._confidence(toks, forced, tokens[i], conf[i])
             tokens[i] = toks
-        return Drafts(tokens, probs, conf)
+        return Drafts(tokens, probs, conf, parents)
 
     def _masked_topk(self, ctx: StepContext) -> None:
         """Our grammar processor's requests learn the target's top-k after

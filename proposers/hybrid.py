@@ -44,7 +44,7 @@ from vllm_plugins.proposers.sources import SourceTree, default_sources, source_c
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 from vllm_plugins.proposers.sources.merge import MAX_SOURCES, MergedStep, Merger, StepTrees
 from vllm_plugins.proposers.sources.merge import warm_up as warm_up_merge
-from vllm_plugins.proposers.sources.request import speculation_request
+from vllm_plugins.proposers.sources.request import chosen_sources
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.tree.sampling import tree_allowed
 
@@ -119,8 +119,14 @@ class HybridProposer(PluginProposer):
                 raise ValueError(f"speculative_config option 'source_options' of method "
                                  f"'{where}': options of source {name!r} must be a dict, "
                                  f"got {opts!r}")
-            out.append((name, klass, resolve(name, klass.OPTIONS, opts, scope="draft source",
-                                             label="draft source option")))
+            resolved = resolve(name, klass.OPTIONS, opts, scope="draft source",
+                               label="draft source option")
+            try:
+                klass.check_options(resolved)
+            except ValueError as e:
+                raise ValueError(f"speculative_config option 'source_options' of method "
+                                 f"'{where}': {e}") from None
+            out.append((name, klass, resolved))
         return out
 
     def __init__(self, vllm_config=None, options: dict | None = None,
@@ -131,7 +137,7 @@ class HybridProposer(PluginProposer):
         self.sources = [klass(opts, self.vocab_size, self.max_draft)
                         for _, klass, opts in specs]
         self.TOPK = max(s.TOPK for s in self.sources)
-        self.merger = Merger(len(self.sources))
+        self.merger = Merger(len(self.sources), self.vocab_size)
         self.calibrator = SourceCalibrator(len(self.sources), depth=max(self.max_draft, 1))
         self._merged: dict[str, MergedTree] = {}
         self._logged_source: set[int] = set()
@@ -165,17 +171,22 @@ class HybridProposer(PluginProposer):
             return None
 
     def _request_options(self, r: RequestStep) -> tuple[int | None, tuple[int, ...]]:
-        """(draft cap, source indices) of a request's extra_args; a malformed
-        one (the front end refuses it first) drafts nothing."""
-        extra = getattr(r.sampling_params, "extra_args", None)
+        """(draft cap, source indices) of a request's parsed
+        ``speculation``; a malformed one (the front end refuses it first)
+        drafts nothing."""
+        spec = r.speculation
         try:
-            cap, names = speculation_request(extra, self.max_draft, self.source_names)
-        except ValueError:
+            if spec is not None and spec.problem is not None:
+                raise ValueError(spec.problem)
+            names = chosen_sources(spec, self.source_names)
+        except ValueError as e:
             self.request_errors += 1
             if not self._logged_request:
                 self._logged_request = True
-                logger.exception("request %s: bad extra_args; no drafts for it", r.req_id)
+                logger.error("request %s: bad extra_args (%s); no drafts for it",
+                             r.req_id, e)
             return 0, ()
+        cap = None if spec is None else spec.max_draft
         if names is None:
             return cap, tuple(range(len(self.sources)))
         return cap, tuple(self.source_names.index(n) for n in names)
@@ -230,14 +241,12 @@ class HybridProposer(PluginProposer):
         return Drafts(tokens, None, conf, parents)
 
     def _propose(self, k: int, r: RequestStep, budget: int) -> SourceTree | None:
-        """Source k's tree for one request, None when empty. The contract's
+        """Source k's tree for one request, None when empty; ValueError for a
+        tree of the wrong types or shapes (``SourceTree.conformed``,
+        in ``_guard``: it costs source k's candidates only). The contract's
         per-node rules are checked in the merge (``merge_step``'s status)."""
-        t = self.sources[k].propose(r, budget)
-        n = len(t.tokens)
-        if len(t.parents) != n or len(t.confidence) != n:
-            raise ValueError(f"tokens, parents and confidence differ in length "
-                             f"({n}, {len(t.parents)}, {len(t.confidence)})")
-        return t if n else None
+        t = self.sources[k].propose(r, budget).conformed()
+        return t if len(t.tokens) else None
 
     def _source_failed(self, k: int, problem: str) -> None:
         """A tree the merge refused: it costs source k's candidates for that

@@ -129,3 +129,48 @@ def test_a_wrong_doc_command_fails_to_parse():
     [words] = doc_commands("see `python -m vllm_plugins.bench methods\n--batch-sise 8`.")
     with pytest.raises(SystemExit):
         load(words[0]).parse_args(words[1:])
+
+
+TRITON_LINE = "Triton is installed, but doesn't include CPU backend. Disabling Triton."
+
+
+def test_the_demo_drops_vllms_triton_line_and_passes_the_rest_as_it_comes():
+    """scripts/demo.sh runs the benchmark's standard error through
+    scripts/drop_line.py: vLLM's Triton line (its text as vLLM writes it) goes,
+    every other byte comes through, a progress bar's carriage-return updates
+    as they are written, even when a chunk ends inside a line."""
+    import importlib.util
+
+    import vllm.triton_utils.importing as importing
+
+    spec = importlib.util.spec_from_file_location("drop_line", ROOT / "scripts/drop_line.py")
+    drop_line = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(drop_line)
+    LineDropper = drop_line.LineDropper
+
+    source = Path(importing.__file__).read_text()
+    assert "\"Triton is installed, but doesn't include CPU backend. \"" in source
+    assert f'TRITON_LINE="{TRITON_LINE}"' in (ROOT / "scripts/demo.sh").read_text()
+    assert "scripts/drop_line.py \"$TRITON_LINE\"" in (
+        ROOT / "scripts/demo.sh").read_text()
+
+    line = (TRITON_LINE + "\n").encode()
+    stream = (b"setup: ok\n" + line + b"bench:  10%|#   | 1/10\r" + line
+              + b"bench:  20%|##  | 2/10\r" + b"Triton is installed, but not this\n"
+              + line + b"| table |\n" + b"Triton is")
+    want = stream.replace(line, b"")
+    for size in (1, 7, 64, len(stream)):
+        out = []
+        dropper = LineDropper(TRITON_LINE.encode(), out.append)
+        for at in range(0, len(stream), size):
+            dropper.feed(stream[at:at + size])
+        dropper.close()
+        assert b"".join(out) == want, size
+    # A bar's update is out as soon as it is written, not held for a newline.
+    out = []
+    dropper = LineDropper(TRITON_LINE.encode(), out.append)
+    dropper.feed(b"setup: ok\n" + line + b"bench:  10%|#   | 1/10\r")
+    assert b"".join(out) == b"setup: ok\nbench:  10%|#   | 1/10\r"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts/drop_line.py"), TRITON_LINE],
+                         input=stream, capture_output=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == want, run.stderr

@@ -63,6 +63,42 @@ def test_a_stash_that_does_not_line_up_teaches_nothing():
     assert all(r.topk_ids is None for r in ctx.requests)
 
 
+def test_a_requests_speculation_is_parsed_once_and_freed_when_it_finishes(monkeypatch):
+    from vllm_plugins.proposers.sources import request as speculation
+
+    parsed = []
+    real = speculation.parse_speculation
+
+    def counting(params, max_draft):
+        parsed.append(max_draft)
+        return real(params, max_draft)
+
+    monkeypatch.setattr(speculation, "parse_speculation", counting)
+    proposer = SimpleNamespace(topk_wanted=lambda: 0, max_draft=4)
+    runner = stand_in_runner(proposer)
+    runner.requests["a"].sampling_params = SimpleNamespace(
+        temperature=0.0, n=1, extra_args={"speculation": '{"max_draft": 2}'})
+    runner.requests["b"].sampling_params = SimpleNamespace(
+        temperature=0.0, n=1, extra_args={"speculation": {"max_draft": 9}})
+    state = attach(runner, proposer)
+
+    def context(finished=()):
+        return step.build_context(runner, state, SimpleNamespace(
+            finished_req_ids=set(finished), total_num_scheduled_tokens=2), [[9], []])
+
+    for _ in range(3):
+        a, b = context().requests
+        assert a.speculation.max_draft == 2 and a.speculation.problem is None
+        # one the front end should have refused: no drafts, and why
+        assert b.speculation.max_draft == 0 and "[0, 4]" in b.speculation.problem
+    assert parsed == [4, 4]  # once per request, not per step
+    context(finished={"a"})
+    assert parsed == [4, 4, 4] and set(state.speculation) == {"a", "b"}  # a: a new request
+    runner.input_batch.req_ids = ["b", "c"]
+    context(finished={"a"})
+    assert "a" not in state.speculation
+
+
 @pytest.mark.parametrize("k", [0, 4])
 def test_topk_extraction_is_timed_for_the_controller(k):
     """Work a resting step skips is timed apart and reaches the next context."""
@@ -137,7 +173,7 @@ def test_counting_is_opt_in_for_vllms_own_drafters():
     propose(worker.model_runner, None, [[4, 6]], None, None, None, None, md)
     assert read(worker) == {"steps": 1, "drafted": 2, "accepted": 1, "tokens": 2,
                             "tree_steps": 0, "tree_only_steps": 0, "tree_requests": 0,
-                            "kv_moved": 0, "malformed_drafts": 0}
+                            "kv_moved": 0, "malformed_drafts": 0, "rank_disagreements": 0}
 
 
 # ------------------------------------------------------------- start-up

@@ -241,3 +241,12 @@ def test_the_check_fails_on_a_stale_reference():
     doc = ROOT / "docs" / "benchmarks.md"
     assert link_problem(doc, "no_such.md") and link_problem(doc, "#no-such-section")
     assert link_problem(doc, "img/no_such.png")
+
+
+def test_the_readme_starts_with_what_to_type():
+    """The two set-up commands and the serve command come within the README's
+    first 40 lines; the test runner's internals live in docs/testing.md."""
+    head = (ROOT / "README.md").read_text().splitlines()[:40]
+    for command in ("bash scripts/demo.sh", "bash scripts/test.sh", "vllm serve "):
+        assert any(line.startswith(command) for line in head), command
+    assert not any("MODULE_GROUPS" in line or "xdist" in line for line in head)

@@ -115,3 +115,67 @@ def test_the_bridge_drops_each_malformed_draft_logs_once_and_counts(caplog):
     assert propose(runner, state) == [GOOD_TREE[0], []]
     assert state.trees["a"].parents == GOOD_TREE[1]
     assert state.counters.malformed_drafts == len(MALFORMED)
+
+
+def uniform_rows(n, vocab=VOCAB):
+    return np.full((n, vocab), 1.0 / vocab, dtype=np.float32)
+
+
+def rows_with(change):
+    rows = uniform_rows(3)
+    change(rows)
+    return rows
+
+
+TOKENS = [5, 6, 7]
+# name -> (tokens, probability rows) of request 'a', a chain
+MALFORMED_ROWS = {
+    "fewer-rows": (TOKENS, uniform_rows(2)),
+    "more-rows": (TOKENS, uniform_rows(4)),
+    "narrower-rows": (TOKENS, uniform_rows(3, VOCAB - 1)),
+    "one-row": (TOKENS, uniform_rows(1)[0]),
+    "not-finite": (TOKENS, rows_with(lambda r: r.__setitem__((1, 0), np.nan))),
+    "infinite": (TOKENS, rows_with(lambda r: r.__setitem__((2, 3), np.inf))),
+    "sums-to-two": (TOKENS, rows_with(lambda r: r.__imul__(2))),
+    "negative-entry": (TOKENS, rows_with(lambda r: (r.__setitem__((0, 0), -0.5),
+                                                    r.__setitem__((0, 1), 0.5 + 1 / VOCAB)))),
+    "drafted-token-impossible": (TOKENS, rows_with(lambda r: (
+        r.__setitem__((1, 6), 0.0), r.__setitem__((1, 0), 2.0 / VOCAB)))),
+    "integer-rows": (TOKENS, np.eye(VOCAB, dtype=np.int64)[TOKENS]),
+    "longer-than-num_speculative_tokens": (list(range(1, 7)), uniform_rows(6)),
+}
+
+
+class RowsProposer(PluginProposer):
+    """Another package's proposer with probability rows of its own making;
+    num_speculative_tokens 5."""
+
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 5
+
+    def __init__(self):
+        super().__init__(options={})
+        self.next = None
+
+    def step(self, ctx):
+        tokens, rows = self.next
+        return Drafts([list(tokens), [1]], [rows, None])
+
+
+def test_probability_rows_that_are_not_one_distribution_per_token_drop_that_draft():
+    proposer = RowsProposer()
+    runner, state = stand_in(proposer)
+    for n, name in enumerate(MALFORMED_ROWS, start=1):
+        tokens, rows = MALFORMED_ROWS[name]
+        assert draft_problem(tokens, None, VOCAB, rows, 5), name
+        proposer.next = tokens, rows
+        # request b's draft (deterministic) is kept
+        assert propose(runner, state) == [[], [1]], name
+        assert state.counters.malformed_drafts == n, name
+        # nothing of the dropped rows reaches vLLM's rejection sampler
+        assert not isinstance(getattr(runner, "_draft_probs", None), step.DraftProbRows), name
+    proposer.next = TOKENS, uniform_rows(3)
+    assert propose(runner, state) == [TOKENS, [1]]
+    assert runner._draft_probs[0, slice(0, 3)].shape == (3, VOCAB)
+    # a step whose rows do not give one entry per request drafts nothing
+    out, bad = drop_malformed(Drafts([[1], [2]], [None]), ["a", "b"], VOCAB)
+    assert out.tokens == [[], []] and len(bad) == 2

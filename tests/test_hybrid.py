@@ -4,6 +4,7 @@ per-source calibration, options and per-request speculation."""
 
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ from vllm_plugins.proposers.sources import DraftSource, SourceTree
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 from vllm_plugins.proposers.sources.lookup import LookupSource
 from vllm_plugins.proposers.sources.merge import Merger
-from vllm_plugins.proposers.sources.request import speculation_request
+from vllm_plugins.proposers.sources.request import (admit, chosen_sources, parse_speculation,
+                                                     worker_speculation)
 from vllm_plugins.registry import translate, vllm_method_names
 from vllm_plugins.step_context import RequestStep, StepContext
 
@@ -38,11 +40,14 @@ def merge(trees, budget):
     return Merger(4).merge(trees, Uncalibrated(), budget)
 
 
-def request(context, accepted=(), req_id="a", prompt=None, params=None):
+def request(context, accepted=(), req_id="a", prompt=None, params=None, max_draft=8):
+    """One request's step as the bridge builds it (its ``speculation``
+    parsed against an engine of ``max_draft`` drafts)."""
     context = np.asarray(context, np.int64)
     accepted = np.asarray(accepted if len(accepted) else context[-1:], np.int64)
     return RequestStep(req_id, accepted, context, prompt or len(context) - len(accepted),
-                       0, context[-1:], None, None, 0.0, sampling_params=params)
+                       0, context[-1:], None, None, 0.0, sampling_params=params,
+                       speculation=worker_speculation(params, max_draft))
 
 
 def hybrid(**options):
@@ -184,7 +189,8 @@ def test_a_failing_source_costs_only_its_own_candidates(monkeypatch, caplog):
     assert sum("broken" in r.getMessage() for r in caplog.records) == 1   # logged once
 
 
-def install_example_source(tmp_path, monkeypatch):
+def install_example_source(tmp_path, monkeypatch, name="bigram",
+                           value="tests.hybrid_example_source:BigramSource"):
     """tests/hybrid_example_source.py's BigramSource installed as another
     package would install it: a distribution whose entry point in the
     ``vllm_plugins.draft_sources`` group names it ``bigram``."""
@@ -192,11 +198,34 @@ def install_example_source(tmp_path, monkeypatch):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: example-source\n"
                                    "Version: 1.0\n")
-    (dist / "entry_points.txt").write_text(textwrap.dedent("""\
+    (dist / "entry_points.txt").write_text(textwrap.dedent(f"""\
         [vllm_plugins.draft_sources]
-        bigram = tests.hybrid_example_source:BigramSource
+        {name} = {value}
         """))
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_what_a_source_cannot_start_with_is_refused_by_translate(tmp_path, monkeypatch):
+    """Refused in the front end, before a model loads, naming the option:
+    options that fit each bound but not each other, and a source from an
+    entry point whose module does not import."""
+    with pytest.raises(ValueError, match=r"'source_options' of method 'hybrid'.*"
+                                         r"'prompt_lookup_min' of source 'ngram' must be <= "
+                                         r"'prompt_lookup_max' \(5\), got 6"):
+        translate({"method": "hybrid", "sources": ["ngram"],
+                   "source_options": {"ngram": {"prompt_lookup_min": 6}}})
+    with pytest.raises(ValueError, match=r"'source_options' of method 'hybrid' \(inner of"):
+        translate({"method": "grammar_forced", "inner": {
+            "method": "hybrid", "sources": ["ngram"],
+            "source_options": {"ngram": {"prompt_lookup_min": 6}}}})
+    install_example_source(tmp_path, monkeypatch, "missing",
+                           "no_such_package_here.source:Missing")
+    with pytest.raises(ValueError, match=r"option 'sources' of method 'hybrid': draft "
+                                         r"source 'missing' \(entry point "
+                                         r"no_such_package_here.source:Missing in group "
+                                         r"vllm_plugins.draft_sources\) cannot be loaded: "
+                                         r"ModuleNotFoundError"):
+        translate({"method": "hybrid", "sources": ["missing", "ngram"]})
 
 
 def test_a_source_from_an_entry_point_is_usable_by_name(tmp_path, monkeypatch):
@@ -264,12 +293,21 @@ def test_hybrid_is_not_a_vllm_method_name_and_options_are_checked(monkeypatch):
     assert "suffix" not in sources.default_sources()
 
 
+def speculation(spec):
+    return SimpleNamespace(extra_args={"speculation": spec})
+
+
+def narrowed(spec, max_draft, engine):
+    """(cap, sources) of a request against an engine's draft length and sources."""
+    parsed = parse_speculation(speculation(spec), max_draft)
+    return parsed.max_draft, chosen_sources(parsed, engine)
+
+
 def test_per_request_speculation_narrows_and_names_what_is_wrong():
     engine = ("suffix", "token_recycling", "ngram")
-    assert speculation_request(None, 8, engine) == (None, None)
-    assert speculation_request({"speculation": {"max_draft": 0}}, 8, engine) == (0, None)
-    assert speculation_request({"speculation": {"sources": ["ngram", "suffix"]}}, 8,
-                               engine) == (None, ("suffix", "ngram"))
+    assert parse_speculation(SimpleNamespace(extra_args=None), 8) is None
+    assert narrowed({"max_draft": 0}, 8, engine) == (0, None)
+    assert narrowed({"sources": ["ngram", "suffix"]}, 8, engine) == (None, ("suffix", "ngram"))
     for spec, needle in (({"max_drafts": 1}, r"unknown key\(s\) \['max_drafts'\]"),
                          ({"max_draft": 9}, r'\["max_draft"\] must be an integer in \[0, 8\]'),
                          ({"max_draft": -1}, r'\["max_draft"\]'),
@@ -277,33 +315,66 @@ def test_per_request_speculation_narrows_and_names_what_is_wrong():
                          ({"sources": ["bigram"]}, r"names \['bigram'\]"),
                          ({"sources": []}, r'\["sources"\] must be a non-empty'),
                          ("fast", "not valid JSON text"),
-                         (5, "must be an object")):
+                         (5, "must be an object"),
+                         # keys of mixed types, through the Python API
+                         ({1: 0, "a": 0}, r"unknown key\(s\) \[1, 'a'\]"),
+                         # JSON text nested past the parser's recursion limit
+                         ("[" * 5000 + "]" * 5000, "nested too deeply")):
         with pytest.raises(ValueError, match=needle):
-            speculation_request({"speculation": spec}, 8, engine)
+            narrowed(spec, 8, engine)
     with pytest.raises(ValueError, match="hybrid method only"):
-        speculation_request({"speculation": {"sources": ["ngram"]}}, 8, None)
+        narrowed({"sources": ["ngram"]}, 8, None)
     # the OpenAI server's vllm_xargs carry it as JSON text
-    assert speculation_request({"speculation": '{"max_draft": 2}'}, 8, None) == (2, None)
+    assert narrowed('{"max_draft": 2}', 8, None) == (2, None)
 
 
-def test_admission_checks_against_the_engine_configured_last():
-    from vllm_plugins.proposers.sources import request as req
+def test_admission_checks_against_the_engine_that_serves_the_request():
+    from vllm_plugins.bridge.config import speculation_engine
+    from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
 
-    translate({"method": "hybrid", "sources": ["ngram"], "num_speculative_tokens": 4})
-    req.validate_speculation({"speculation": {"max_draft": 4, "sources": ["ngram"]}})
+    def vllm_config(user):
+        """A config as the engine-args patch leaves it: vLLM's fields and ours."""
+        if user is None:
+            return SimpleNamespace(speculative_config=None)
+        fields, options = translate(user)
+        spec = SimpleNamespace(**fields)
+        if options is not None:
+            setattr(spec, PLUGIN_OPTIONS_ATTR, options)
+        return SimpleNamespace(speculative_config=spec)
+
+    def admit_to(config, spec):
+        admit(speculation(spec), *speculation_engine(config))
+
+    hybrid4 = vllm_config({"method": "hybrid", "sources": ["ngram"],
+                           "num_speculative_tokens": 4})
+    composed = vllm_config({"method": "grammar_forced", "num_speculative_tokens": 5,
+                            "inner": {"method": "hybrid",
+                                      "sources": ["ngram", "token_recycling"]}})
+    recycling = vllm_config({"method": "token_recycling", "num_speculative_tokens": 6})
+    ngram = vllm_config({"method": "ngram", "num_speculative_tokens": 3,
+                         "prompt_lookup_max": 3})
+    plain = vllm_config(None)
+    admit_to(hybrid4, {"max_draft": 4, "sources": ["ngram"]})
     with pytest.raises(ValueError, match=r'\["max_draft"\] must be an integer in \[0, 4\]'):
-        req.validate_speculation({"speculation": {"max_draft": 5}})
+        admit_to(hybrid4, {"max_draft": 5})
     with pytest.raises(ValueError, match=r"names \['suffix'\]"):
-        req.validate_speculation({"speculation": {"sources": ["suffix"]}})
-    translate({"method": "grammar_forced", "num_speculative_tokens": 5,
-               "inner": {"method": "hybrid", "sources": ["ngram", "token_recycling"]}})
-    req.validate_speculation({"speculation": {"max_draft": 5, "sources": ["ngram"]}})
+        admit_to(hybrid4, {"sources": ["suffix"]})
+    admit_to(composed, {"max_draft": 5, "sources": ["ngram"]})
     with pytest.raises(ValueError, match=r"names \['suffix'\]"):
-        req.validate_speculation({"speculation": {"sources": ["suffix"]}})
-    translate({"method": "token_recycling", "num_speculative_tokens": 6})
-    req.validate_speculation({"speculation": {"max_draft": 6}})
+        admit_to(composed, {"sources": ["suffix"]})
+    admit_to(recycling, {"max_draft": 6})
     with pytest.raises(ValueError, match="hybrid method only"):
-        req.validate_speculation({"speculation": {"sources": ["ngram"]}})
+        admit_to(recycling, {"sources": ["ngram"]})
+    # Engines configured earlier in the process change nothing: each engine
+    # admits against its own config, and one that does not draft with our
+    # methods refuses the key by name.
+    with pytest.raises(ValueError, match=r"""extra_args\["speculation"\] needs an engine.*"""
+                                         r"""vLLM's 'ngram'"""):
+        admit_to(ngram, {"max_draft": 1})
+    with pytest.raises(ValueError, match="does not speculate"):
+        admit_to(plain, {"max_draft": 1})
+    admit(SimpleNamespace(extra_args={"other": 1}), *speculation_engine(plain))
+    admit_to(hybrid4, {"max_draft": 4})
 
 
 def test_a_draft_cap_holds_for_every_method_and_trees_still_serve_the_request():

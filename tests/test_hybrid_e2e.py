@@ -91,11 +91,19 @@ def summary(stats) -> str:
             f"{stats['accepted']}/{stats['drafted']} drafts")
 
 
-def test_hybrid_trees_and_narrowed_requests_are_plain_decoding(model_path, prompts, plain):
+def test_hybrid_trees_and_narrowed_requests_are_plain_decoding(model_path, prompts, plain,
+                                                               base):
+    from vllm.exceptions import VLLMValidationError
+
     from vllm_plugins.bench.engines import engine_stats
 
     llm = engine(model_path, {"method": "hybrid", "num_speculative_tokens": 16})
     try:
+        # The process's other engine does not speculate: it refuses the key by
+        # name, though an engine of ours was configured since.
+        with pytest.raises(VLLMValidationError, match=r'extra_args\["speculation"\] needs an '
+                                             r".*does not speculate"):
+            run(base, prompts[:1], [{"speculation": {"max_draft": 1}}])
         got = run(llm, prompts)
         stats = engine_stats(llm)
         narrowed = run(llm, prompts, [{"speculation": {"max_draft": 0}},

@@ -93,11 +93,11 @@ class Run:
     """Requests of PROMPT + OUTPUT tokens, BATCH at a time, a finished one
     replaced by the next; the proposer sees each step as the bridge shows it."""
 
-    def __init__(self, P, accept, draft_shape):
+    def __init__(self, P, accept, draft_shape, proposer=None):
         self.P, self.accept = P, accept
-        self.p = HybridProposer(None, {"draft_length": "fixed", "sources": SOURCES,
-                                       "draft_shape": draft_shape},
-                                vocab_size=V)
+        self.p = proposer or HybridProposer(None, {"draft_length": "fixed", "sources": SOURCES,
+                                                   "draft_shape": draft_shape},
+                                            vocab_size=V)
         self.p.load_model(None)
         self.rng = np.random.default_rng(0)
         self.gen = torch.Generator().manual_seed(0)
@@ -186,6 +186,29 @@ def test_sampled_output_through_hybrid_drafts_is_the_targets(draft_shape, biased
     assert sum(s["accepted"] > 0 for s in m["sources"].values()) >= 2, m["sources"]
     if draft_shape == "tree":
         assert run.branched > 100, run.branched
+    if biased:
+        assert pv < 1e-6, pv
+    else:
+        assert pv > 1e-3, pv
+
+
+@pytest.mark.parametrize("biased", [False, True], ids=["exact", "biased-acceptance"])
+def test_grammar_forced_passes_an_inner_tree_through(biased):
+    # grammar_forced around STAND's tree: a request without a grammar is
+    # verified as STAND drafted it, a tree (its steps branch), and what comes
+    # out is the target's.
+    from vllm_plugins.proposers.grammar import GrammarProposer
+
+    P = target()
+    p = GrammarProposer(None, {"draft_length": "fixed", "inner": {
+        "method": "stand", "draft_shape": "tree", "draft_length": "fixed"}}, vocab_size=V)
+    p.load_model(None)
+    run = Run(P, biased_accept if biased else None, "tree", proposer=p).run()
+    pv = transition_pvalue(run.counts, P)
+    print(f"grammar_forced(stand tree){' biased' if biased else ''}: emitted "
+          f"{run.emitted}, drafted {run.drafted}, accepted {run.accepted}, "
+          f"branched steps {run.branched}, p={pv:.3g}")
+    assert run.branched > 100, run.branched
     if biased:
         assert pv < 1e-6, pv
     else:

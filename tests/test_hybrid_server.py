@@ -42,8 +42,9 @@ def server(tmp_path_factory):
 def complete(server, speculation=None):
     base, model = server
     body = {"model": model, "prompt": PROMPT, "max_tokens": 32, "temperature": 0}
-    if speculation is not None:
-        body["vllm_xargs"] = {"speculation": json.dumps(speculation)}
+    if speculation is not None:  # text as it is, anything else as JSON text
+        body["vllm_xargs"] = {"speculation": speculation if isinstance(speculation, str)
+                              else json.dumps(speculation)}
     return post(base + "/v1/completions", body)
 
 
@@ -64,7 +65,9 @@ def test_narrowed_requests_decode_as_the_engine_does(server):
     ({"max_draft": -1}, "max_draft"),
     ({"sources": ["suffix"]}, "names ['suffix']"),
     ({"sources": []}, "non-empty list"),
-], ids=["unknown-key", "above-engine", "negative", "source-not-run", "no-sources"])
+    ("[" * 5000, "nested too deeply"),
+], ids=["unknown-key", "above-engine", "negative", "source-not-run", "no-sources",
+        "deeply-nested-text"])
 def test_bad_speculation_is_400_naming_it_and_server_keeps_serving(server, spec, needle):
     status, body = complete(server, spec)
     assert status == 400, body

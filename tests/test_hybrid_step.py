@@ -4,6 +4,7 @@ outcomes are each request's, and the calibration's numba learning is the
 numpy formula it replaced."""
 
 import numpy as np
+import pytest
 
 from vllm_plugins.proposers.sources import DraftSource, SourceTree
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
@@ -188,32 +189,52 @@ def test_the_proposer_cost_bench_runs_every_method_on_the_same_steps():
             assert r["ratio_to_token_recycling"] == 1.0
 
 
-class NotNumbersSource(DraftSource):
-    name = "not_numbers"
+class OddTreeSource(DraftSource):
+    """A tree that breaks the contract in the way its name says."""
+
+    name = "odd"
+    odd = "huge"
 
     def propose(self, request, budget):
-        return SourceTree(np.array(["a", "b"]), np.array([-1, 0]), np.array([0.5, 0.5]))
+        chain = SourceTree.chain([3, 4], [0.5, 0.5])
+        if self.odd == "not-numbers":
+            return SourceTree(np.array(["a", "b"]), chain.parents, chain.confidence)
+        if self.odd == "huge":          # an id past int64
+            return SourceTree([2 ** 70, 3], chain.parents, chain.confidence)
+        if self.odd == "column":        # one column of ids beside 1-D trees
+            return SourceTree(chain.tokens[:, None], chain.parents, chain.confidence)
+        if self.odd == "negative":
+            return SourceTree(np.array([-1, 3]), chain.parents, chain.confidence)
+        return SourceTree(np.array([3, VOCAB_PAST]), chain.parents, chain.confidence)
 
 
-def test_a_source_drafting_what_is_not_a_number_costs_only_its_own_candidates(
-        monkeypatch, caplog):
-    """The step's arrays are built from every source's tree at once; a tree
-    that does not convert is found and left out alone, and counted."""
+VOCAB_PAST = 10 ** 6  # past the hybrid's vocabulary
+
+
+@pytest.mark.parametrize("odd", ["not-numbers", "huge", "column", "negative", "past-vocab"])
+def test_a_source_drafting_an_odd_tree_costs_only_its_own_candidates(odd, monkeypatch,
+                                                                     caplog):
+    """A tree of what is not a number, of ids past int64, of the wrong shape,
+    or of ids outside the vocabulary is that source's fault alone: the other
+    sources draft for every request, and the error counts against that
+    source (logged once)."""
     from tests.test_hybrid import hybrid, request
     from vllm_plugins.proposers import sources
     from vllm_plugins.step_context import StepContext
 
-    monkeypatch.setitem(sources.BUILTIN, "not_numbers", f"{__name__}:NotNumbersSource")
-    p = hybrid(sources=["not_numbers", "ngram"])
+    monkeypatch.setitem(sources.BUILTIN, "odd", f"{__name__}:OddTreeSource")
+    monkeypatch.setattr(OddTreeSource, "odd", odd)
+    p = hybrid(sources=["odd", "ngram"])
     context = [7, 8, 9, 7, 8, 9, 7, 8]
     for _ in range(3):
         d = p.step(StepContext([request(context), request(context, req_id="b")],
                                max_draft=8))
         assert d.tokens[0][:2] == [9, 7] and d.tokens[1][:2] == [9, 7]   # ngram's
+        assert all(0 <= t < p.vocab_size for ts in d.tokens for t in ts)
     m = p.metrics()
     assert m["num_errors"] == 0
-    assert m["sources"]["not_numbers"]["errors"] == 6 and m["sources"]["ngram"]["errors"] == 0
-    assert sum("not_numbers" in r.getMessage() for r in caplog.records) == 1
+    assert m["sources"]["odd"]["errors"] == 6 and m["sources"]["ngram"]["errors"] == 0
+    assert sum("'odd'" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_trees_of_different_steps_are_read_together():

@@ -6,7 +6,10 @@ with even head counts (SmolLM2-135M's 9 heads do not split in two); greedy
 equality with plain decoding at the same parallel size needs no trained
 model. Each rank's per-step digest (drafts, draft probabilities, token
 history, the seconds its decisions read: vllm_plugins.bridge.ranks) must
-match the other rank's, step for step.
+match the other rank's, step for step. The hybrid runs beside its built-in
+sources one from another package that fails on the second rank only
+(tests/rank_source.py): the requests whose drafts the ranks disagree on
+draft nothing that step, on both ranks, and output stays plain decoding's.
 """
 
 import pytest
@@ -52,7 +55,8 @@ SPECS = {
     "del": {"method": "del", "num_speculative_tokens": 3, "stop_below": 0.0,
             "min_value": 0.0, "exit_layers": [1, 2, 3]},
     # Every source's trees merged (suffix's cache, the tables, the lookup)
-    # and calibrated from outcomes: the same on every rank.
+    # and calibrated from outcomes: the same on every rank; and a source
+    # that fails on the second rank only (its "sources" are filled in below).
     "hybrid": {"method": "hybrid", "num_speculative_tokens": 6, "draft_length": "fixed",
                "source_options": {"token_recycling": {"min_confidence": 0.0}}},
     "grammar-token_recycling": {"method": None,
@@ -119,10 +123,18 @@ def reference(tiny_tp_model):
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_tensor_parallel_exact_and_rank_identical(name, tiny_tp_model, reference):
+def test_tensor_parallel_exact_and_rank_identical(name, tiny_tp_model, reference, tmp_path,
+                                                  monkeypatch):
     spec = dict(SPECS[name])
     if spec["method"] is None:
         spec["method"] = grammar_method()
+    if name == "hybrid":
+        from tests.test_hybrid import install_example_source
+        from vllm_plugins.proposers.sources import default_sources
+
+        install_example_source(tmp_path, monkeypatch, "rank_one_fails",
+                               "tests.rank_source:RankOneFailsSource")
+        spec["sources"] = [*default_sources(), "rank_one_fails"]
     llm = tp_engine(tiny_tp_model, spec)
     try:
         assert llm.collective_rpc("vllm_plugins_rank_digest") == [[]] * TP
@@ -145,6 +157,10 @@ def test_tensor_parallel_exact_and_rank_identical(name, tiny_tp_model, reference
     assert stats[0]["drafted"] > 0, stats[0]
     assert stats[0]["accepted"] > 0, stats[0]
     assert stats[0] == stats[1] | {"proposer": stats[0]["proposer"]}
+    if name == "hybrid":  # the second rank's failures were met, and contained
+        assert stats[0]["rank_disagreements"] > 0, stats[0]
+        assert stats[1]["proposer"]["sources"]["rank_one_fails"]["errors"] > 0, stats[1]
+        assert stats[0]["proposer"]["sources"]["rank_one_fails"]["errors"] == 0, stats[0]
 
 
 # Under vLLM's external_launcher executor, DEL: every broadcast the bridge

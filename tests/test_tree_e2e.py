@@ -384,3 +384,20 @@ def test_token_recycling_trees_under_goodput_are_plain_decoding(model_path, smol
     assert stats["tree_steps"] > 0, stats
     for i, (g, w) in enumerate(zip(got, smol_plain)):
         assert g == w, i
+
+
+def test_grammar_forced_around_a_stand_tree_verifies_trees(model_path, smol_plain):
+    """``grammar_forced`` passes its inner's trees through for requests
+    without a grammar: tree steps run, and greedy output is plain decoding's."""
+    from vllm_plugins.bench.engines import engine_stats
+
+    llm = smol_engine(model_path, {"method": "grammar_forced", "num_speculative_tokens": NODES,
+                                   "inner": {"method": "stand", "draft_shape": "tree"}})
+    try:
+        got, stats = smol_run(llm), engine_stats(llm)
+    finally:
+        shutdown(llm)
+    assert stats["proposer"]["num_errors"] == 0, stats
+    assert stats["tree_steps"] > 0, stats
+    for i, (g, w) in enumerate(zip(got, smol_plain)):
+        assert g == w, i

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_plugins.options import resolve
-from vllm_plugins.proposers.sources.request import note_engine
 
 PLUGIN_OPTIONS_ATTR = "vllm_plugins_options"
 # vllm.v1.sample.rejection_sampler.MAX_SPEC_LEN: the rejection sampler
@@ -144,14 +143,14 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
             f"per request), got {num!r}")
     rest["method"] = "custom_class"
     rest["model"] = method.class_path
-    note_engine(method.name, num, _engine_sources(cls, options))
     return rest, options
 
 
-def _engine_sources(cls, options: dict) -> tuple[str, ...] | None:
-    """The hybrid sources an engine runs (directly, or as the ``inner`` of a
-    composing method), for the admission check of per-request options;
-    None for an engine without sources."""
+def engine_sources(options: dict) -> tuple[str, ...] | None:
+    """The hybrid sources an engine with our ``options`` runs (directly, or
+    as the ``inner`` of a composing method), for the admission check of
+    per-request options; None for an engine without sources."""
+    cls = METHODS[options["method"]].proposer_class()
     inner = options.get("inner")
     if isinstance(inner, str):
         inner = {"method": inner}

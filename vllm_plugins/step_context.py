@@ -44,6 +44,9 @@ class RequestStep:
     # Self-drafting methods only: rows of this step's token batch at the
     # verified positions (aligned with verified_tokens / topk_*).
     verify_rows: np.ndarray | None = None
+    # The request's extra_args["speculation"], parsed once per request
+    # (vllm_plugins.proposers.sources.request.SpeculationRequest), or None.
+    speculation: object = None
 
     @property
     def num_accepted_drafts(self) -> int:

@@ -89,7 +89,12 @@ def source_class(name: str) -> type[DraftSource]:
     ep = _entry_points().get(name)
     if ep is None:
         raise ValueError(f"unknown draft source {name!r}; available: {available()}")
-    cls = ep.load()
+    try:
+        cls = ep.load()
+    except Exception as e:  # noqa: BLE001 - another package's import, named as such
+        raise ValueError(f"draft source {name!r} (entry point {ep.value} in group "
+                         f"{ENTRY_POINT_GROUP}) cannot be loaded: {type(e).__name__}: "
+                         f"{e}") from None
     if not (isinstance(cls, type) and issubclass(cls, DraftSource)):
         raise ValueError(f"draft source {name!r} (entry point {ep.value}) is not a "
                          f"DraftSource subclass")

@@ -53,35 +53,68 @@ class SourceTree:
         return SourceTree(tokens, np.arange(-1, len(tokens) - 1, dtype=np.int64),
                           np.asarray(confidence, np.float64))
 
-    def check(self, budget: int) -> "SourceTree":
-        """This tree if it keeps the contract, else ValueError saying which
-        rule it breaks (the hybrid then drops this source's candidates for
-        the step)."""
-        n = len(self.tokens)
-        par = np.ascontiguousarray(self.parents, np.int64)
-        conf = np.ascontiguousarray(self.confidence, np.float64)
+    def conformed(self) -> "SourceTree":
+        """This tree as the merge reads it (1-D int64 tokens and parents,
+        float64 confidence, one length), else ValueError saying what is
+        wrong. The per-node rules (parents, confidence and token ranges)
+        are the merge's (``valid_tree``)."""
+        tok, par, conf = self.tokens, self.parents, self.confidence
+        if (type(tok) is np.ndarray and type(par) is np.ndarray and type(conf) is np.ndarray
+                and tok.dtype == np.int64 and par.dtype == np.int64
+                and conf.dtype == np.float64 and tok.ndim == par.ndim == conf.ndim == 1
+                and len(tok) == len(par) == len(conf)):
+            return self  # as built-in sources build it: nothing to convert
+        arrays = {}
+        for field, kinds, dtype in (("tokens", "iu", np.int64), ("parents", "iu", np.int64),
+                                    ("confidence", "iuf", np.float64)):
+            a = np.asarray(getattr(self, field))
+            if a.ndim != 1:
+                raise ValueError(f"{field} of shape {a.shape}, not one value per node")
+            if a.dtype.kind not in kinds:
+                raise ValueError(f"{field} of dtype {a.dtype}, not "
+                                 f"{'integers' if dtype is np.int64 else 'numbers'}")
+            if a.dtype.kind == "u" and len(a) and a.max() > np.iinfo(np.int64).max:
+                raise ValueError(f"{field} holds {a.max()}, past int64")
+            arrays[field] = np.ascontiguousarray(a, dtype)
+        tok, par, conf = arrays["tokens"], arrays["parents"], arrays["confidence"]
+        n = len(tok)
         if len(par) != n or len(conf) != n:
             raise ValueError(f"tokens, parents and confidence differ in length "
                              f"({n}, {len(par)}, {len(conf)})")
-        if n > budget:
-            raise ValueError(f"{n} nodes for a budget of {budget}")
-        bad = valid_tree(par, conf)
-        if bad == 1:
-            raise ValueError("a node's parent is not an earlier node or -1")
-        if bad == 2:
-            raise ValueError("a confidence outside [0, 1]")
-        return SourceTree(np.ascontiguousarray(self.tokens, np.int64), par, conf)
+        return SourceTree(tok, par, conf)
+
+    def check(self, budget: int, vocab_size: int | None = None) -> "SourceTree":
+        """This tree if it keeps the contract, else ValueError saying which
+        rule it breaks (the hybrid then drops this source's candidates for
+        the step)."""
+        t = self.conformed()
+        if len(t.tokens) > budget:
+            raise ValueError(f"{len(t.tokens)} nodes for a budget of {budget}")
+        bad = valid_tree(t.tokens, t.parents, t.confidence, vocab_size or -1)
+        if bad:
+            raise ValueError(PROBLEMS[bad])
+        return t
+
+
+# What ``valid_tree`` (and the merge's status) codes mean.
+PROBLEMS = {1: "a node's parent is not an earlier node or -1",
+            2: "a confidence outside [0, 1]", 3: "more nodes than the budget",
+            4: "tokens, parents or confidences that are not numbers",
+            5: "a token id outside the vocabulary"}
 
 
 @cached_njit
-def valid_tree(parents, confidence):
-    """0 when every parent is an earlier node or -1 and every confidence is
-    in [0, 1]; 1 for a bad parent, 2 for a bad confidence."""
+def valid_tree(tokens, parents, confidence, vocab):
+    """0 when every parent is an earlier node or -1, every confidence is in
+    [0, 1] and every token in [0, vocab) (vocab -1: unknown, any id >= 0);
+    else the ``PROBLEMS`` code of the first rule broken."""
     for i in range(len(parents)):
         if parents[i] < -1 or parents[i] >= i:
             return 1
         if not (confidence[i] >= 0.0 and confidence[i] <= 1.0):
             return 2
+        if tokens[i] < 0 or (vocab >= 0 and tokens[i] >= vocab):
+            return 5
     return 0
 
 
@@ -89,7 +122,8 @@ class DraftSource:
     """Base of every draft source (built in or from another package).
 
     Subclasses set ``name`` and may declare ``OPTIONS`` (validated like a
-    method's, given under ``"source_options": {name: {...}}``) and ``TOPK``
+    method's, given under ``"source_options": {name: {...}}``; rules between
+    options go in ``check_options``) and ``TOPK``
     (how many of the target's top-k per verified row they learn from).
     They override ``propose``, and where they keep state ``learn``,
     ``sent`` and ``free``."""
@@ -97,6 +131,12 @@ class DraftSource:
     name: ClassVar[str] = ""
     OPTIONS: ClassVar[tuple[Option, ...]] = ()
     TOPK: ClassVar[int] = 0
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Rules between resolved options (each option's own bounds are its
+        ``Option``'s): ValueError naming the option. Called at start-up,
+        in the front end, before any model loads."""
 
     def __init__(self, options: dict[str, Any], vocab_size: int | None, max_draft: int):
         self.options = options

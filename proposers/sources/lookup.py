@@ -97,13 +97,16 @@ class LookupSource(DraftSource):
         positive_int("max_matches", 4, 64),
     )
 
-    def __init__(self, options, vocab_size, max_draft):
-        super().__init__(options, vocab_size, max_draft)
+    @classmethod
+    def check_options(cls, options) -> None:
         if options["prompt_lookup_min"] > options["prompt_lookup_max"]:
             raise ValueError(
                 f"draft source option 'prompt_lookup_min' of source 'ngram' must be <= "
                 f"'prompt_lookup_max' ({options['prompt_lookup_max']}), got "
                 f"{options['prompt_lookup_min']}")
+
+    def __init__(self, options, vocab_size, max_draft):
+        super().__init__(options, vocab_size, max_draft)
         self._ends = np.zeros(options["max_matches"], np.int64)
         self._grow(max(max_draft, 16))
 

@@ -27,7 +27,7 @@ from itertools import accumulate
 import numpy as np
 
 from vllm_plugins.proposers.jit import cached_njit
-from vllm_plugins.proposers.sources.base import valid_tree
+from vllm_plugins.proposers.sources.base import PROBLEMS, valid_tree
 from vllm_plugins.proposers.sources.trie import _merge, best_chain, outcomes
 
 # Bits of the per-node source mask: at most this many sources in one hybrid.
@@ -75,14 +75,15 @@ class MergeBuffers:
 
 
 @cached_njit
-def _merge_step(tok, par, raw, g_off, g_src, r_off, budget, want_chain, cal_s, cal_n,
+def _merge_step(tok, par, raw, vocab, g_off, g_src, r_off, budget, want_chain, cal_s, cal_n,
                 cal_sd, cal_nd, strength, c_tok, c_par, c_raw, c_src, c_seg, local_depth,
                 m_map, m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child,
                 next_sibling, m_raw, new_index, out_tok, out_par, out_cond, out_mask,
                 out_depth, out_q, out_raw, chain_idx, chain_tok, chain_cond, status,
                 out_start, out_n, chain_n, node_count):
     """A step's merge. Source tree g holds candidates ``g_off[g]:g_off[g+1]``
-    of source ``g_src[g]``; request r holds trees ``r_off[r]:r_off[r+1]``.
+    of source ``g_src[g]``; request r holds trees ``r_off[r]:r_off[r+1]``;
+    ``vocab``: token ids from it on break the contract (-1: unknown).
     ``status[g]`` <- 0 for a tree that keeps the contract (``valid_tree``;
     3: more nodes than the budget), and only those are merged (a tree
     whose status comes in nonzero is skipped as it is). Request r's
@@ -98,7 +99,7 @@ def _merge_step(tok, par, raw, g_off, g_src, r_off, budget, want_chain, cal_s, c
             if status[g] != 0:
                 continue
             lo, hi = g_off[g], g_off[g + 1]
-            st = valid_tree(par[lo:hi], raw[lo:hi])
+            st = valid_tree(tok[lo:hi], par[lo:hi], raw[lo:hi], vocab)
             if st == 0 and hi - lo > budget[r]:
                 st = 3
             status[g] = st
@@ -205,9 +206,7 @@ class MergedStep:
     whole step (``trees``); ``tokens``, ``parents``, ``cond``, ``chain_tok``
     and ``chain_cond`` are views of the buffers, valid until the next merge."""
 
-    PROBLEMS = {1: "a node's parent is not an earlier node or -1",
-                2: "a confidence outside [0, 1]", 3: "more nodes than the budget",
-                4: "tokens, parents or confidences that are not numbers"}
+    PROBLEMS = PROBLEMS
 
     def __init__(self, b: MergeBuffers, total, start, n, chain_n, status):
         self.start, self.n, self.chain_n, self.status = start, n, chain_n, status
@@ -225,12 +224,15 @@ def _flat(parts, field: str, dtype, status: np.ndarray) -> np.ndarray:
     values = [getattr(t, field) for t in parts]
     try:
         return np.concatenate(values or [[]], dtype=dtype, casting="unsafe")
-    except (TypeError, ValueError):
+    except Exception:  # noqa: BLE001 (any tree's fault is that tree's alone)
         out = []
         for g, v in enumerate(values):
             try:
-                out.append(np.asarray(v).astype(dtype))
-            except (TypeError, ValueError):
+                a = np.asarray(v).astype(dtype)
+                if a.ndim != 1:
+                    raise ValueError(f"shape {a.shape}")
+                out.append(a)
+            except Exception:  # noqa: BLE001
                 status[g] = 4
                 out.append(np.zeros(len(v), dtype))
         return np.concatenate(out)
@@ -239,10 +241,12 @@ def _flat(parts, field: str, dtype, status: np.ndarray) -> np.ndarray:
 class Merger:
     """Merges source trees, one request's or a whole step's; holds the buffers."""
 
-    def __init__(self, num_sources: int):
+    def __init__(self, num_sources: int, vocab_size: int | None = None):
         if num_sources > MAX_SOURCES:
             raise ValueError(f"at most {MAX_SOURCES} draft sources, got {num_sources}")
         self.num_sources = num_sources
+        # Token ids at or past it are refused per tree (-1: unknown).
+        self.vocab_size = -1 if vocab_size is None else int(vocab_size)
         self._buf: MergeBuffers | None = None
         self._chain = np.zeros(0, np.int64)
 
@@ -316,7 +320,7 @@ class Merger:
         g_src = np.array(srcs, np.int64)
         c = calibrator
         done = _merge_step(
-            tok, par, raw, g_off, g_src, r_off, np.array(budgets, np.int64),
+            tok, par, raw, self.vocab_size, g_off, g_src, r_off, np.array(budgets, np.int64),
             np.array(chains, np.bool_), c.s, c.n, c.sd, c.nd, c.strength, b.c_tok,
             b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map, b.tok, b.par, b.cond,
             b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index,
@@ -359,7 +363,7 @@ def warm_up() -> None:
 
     m = Merger(2)
     a = SourceTree.chain([1, 2], [0.5, 0.5])
-    valid_tree(a.parents, a.confidence)
+    valid_tree(a.tokens, a.parents, a.confidence, -1)
     t, p, *_, q, _ = m.merge([(0, a), (1, a)], SourceCalibrator(2, 4), 2)
     m.chain(p, q)
     z = np.zeros(len(t), np.bool_)

@@ -24,3 +24,21 @@ def install() -> list[str]:
     from vllm_plugins.bridge.patches import PATCHES
 
     return apply(PATCHES)
+
+
+def install_refusal() -> list[str]:
+    """On a vLLM the bridge was not checked against: only the patch that
+    refuses our method names (``patches.UNSUPPORTED_VLLM_PATCHES``), and
+    not even that where this vLLM lacks its target. Never raises."""
+    import logging
+
+    try:
+        from vllm_plugins.bridge.patching import apply
+        from vllm_plugins.bridge.patches import UNSUPPORTED_VLLM_PATCHES
+
+        return apply(UNSUPPORTED_VLLM_PATCHES)
+    except Exception as e:  # noqa: BLE001 - vLLM must run whatever this vLLM is
+        logging.getLogger("vllm_plugins").warning(
+            "vllm-plugins could not install the refusal of its method names on this "
+            "vLLM (%s: %s); a config naming one reaches vLLM as it is", type(e).__name__, e)
+        return []

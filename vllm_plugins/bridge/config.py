@@ -34,6 +34,38 @@ def wrap_create_speculative_config(original):
     return create_speculative_config
 
 
+def wrap_refuse_our_methods(original):
+    # As wrap_create_speculative_config, on a vLLM the bridge was not checked
+    # against: our method names are refused, everything else is vLLM's.
+    @functools.wraps(original)
+    def create_speculative_config(self, *args, **kwargs):
+        if isinstance(self.speculative_config, dict):
+            refuse_our_method(self.speculative_config)
+        return original(self, *args, **kwargs)
+
+    return create_speculative_config
+
+
+def refuse_our_method(user: dict) -> None:
+    """ValueError, with ``vllm_plugins.unsupported_vllm``'s reason, for a
+    speculative config that names one of our methods."""
+    from vllm_plugins import unsupported_vllm
+    from vllm_plugins.registry import BY_CLASS_PATH, METHODS, vllm_method_names
+
+    method, model = user.get("method"), user.get("model")
+    try:
+        vllm_names = vllm_method_names()
+    except Exception:  # noqa: BLE001 - a vLLM whose method list moved
+        vllm_names = set()
+    ours = ((isinstance(method, str) and method in METHODS and method not in vllm_names)
+            or (method in (None, "custom_class") and isinstance(model, str)
+                and model in BY_CLASS_PATH))
+    reason = unsupported_vllm()
+    if ours and reason is not None:
+        raise ValueError(f"speculative method {method if method != 'custom_class' else model!r} "
+                         f"is vllm-plugins', which is off: {reason}")
+
+
 def refuse_unsafe(method: str, speculative_config, parallel_config) -> None:
     """Combinations our methods cannot serve exactly, refused by name.
     (Which model runner serves them is vLLM's choice, informed by
@@ -80,33 +112,54 @@ _SELF_DRAFT_DATA_PARALLEL = (
 def wrap_params_validator(original):
     # vllm.v1.engine.input_processor.InputProcessor
     #     ._build_logits_processors_params_validator(self) -> Callable[[SamplingParams], None]
-    # is built once per engine in the front end. With speculative decoding the
-    # V1 runner drops custom logits processors, so a grammar request would be
-    # decoded unconstrained: this engine's validator refuses it instead.
+    # is built once per engine in the front end, with that engine's config.
+    # Its validator admits a request's extra_args["speculation"] against this
+    # engine's speculative config (refused by name where the engine does not
+    # draft with our methods). With speculative decoding the V1 runner drops
+    # custom logits processors, so a grammar request would be decoded
+    # unconstrained: this engine's validator refuses it instead.
     @functools.wraps(original)
     def build_validator(self):
         validate = original(self)
         from vllm_plugins.logits_processors.grammar import (
             engine_drops_processors, refuse_grammar_requests)
+        from vllm_plugins.proposers.sources.request import admit
 
         reason = engine_drops_processors(self.vllm_config)
-        if reason is None:
-            return validate
+        engine, engine_method = speculation_engine(self.vllm_config)
 
-        def validate_or_refuse(params):
+        def validate_request(params):
             # vllm.exceptions.VLLMValidationError is what the server answers
             # with HTTP 400 (vLLM converts validate_params' ValueErrors too).
             from vllm.exceptions import VLLMValidationError
 
             try:
-                refuse_grammar_requests(params, reason)
+                admit(params, engine, engine_method)
+                if reason is not None:
+                    refuse_grammar_requests(params, reason)
             except ValueError as e:
                 raise VLLMValidationError(str(e)) from e
             validate(params)
 
-        return validate_or_refuse
+        return validate_request
 
     return build_validator
+
+
+def speculation_engine(vllm_config):
+    """((our method, num_speculative_tokens, hybrid sources or None) or None,
+    the engine's speculative method or None): what a request's
+    ``extra_args["speculation"]`` is admitted against."""
+    from vllm_plugins.registry import engine_sources
+
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None, None
+    options = getattr(spec, PLUGIN_OPTIONS_ATTR, None)
+    if options is None:
+        return None, getattr(spec, "method", None)
+    return ((options["method"], int(spec.num_speculative_tokens),
+             engine_sources(options)), options["method"])
 
 
 def wrap_lookahead(original: property) -> property:

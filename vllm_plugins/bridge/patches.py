@@ -283,3 +283,17 @@ RELIED_ON: tuple[str, ...] = (
 def vllm_names() -> list[str]:
     """Every vLLM name we patch or rely on, as ``module:qualname``."""
     return [p.target for p in PATCHES] + list(RELIED_ON)
+
+
+# On a vLLM the bridge was not checked against (``vllm_plugins.register``),
+# this alone: a config naming one of our methods is refused with the reason
+# and the supported versions; every other config reaches vLLM unchanged.
+UNSUPPORTED_VLLM_PATCHES: tuple[Patch, ...] = (
+    Patch("config.unsupported_vllm",
+          "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
+          "on a vLLM the bridge was not checked against, a speculative config "
+          "naming one of our methods is refused with the reason, before a model "
+          "loads; nothing else of ours is installed",
+          _PINS + "test_engine_args_builds_speculative_config_after_plugins",
+          config.wrap_refuse_our_methods),
+)

@@ -16,6 +16,14 @@ So draft lengths, resting and exit layers are chosen from the same seconds
 on every rank, and every rank runs the same self-drafting forwards (the
 same collectives). With one rank nothing changes: no collective.
 
+What a proposer cannot promise (a source from another package that fails,
+or answers differently, on one rank) the bridge checks: each step, before
+the drafts go to vLLM, every rank compares a digest of each request's draft
+(tokens, tree parents, probability rows) with the first rank's
+(``differing_drafts``: one broadcast and one all-reduce of a number per
+request). A request whose draft differs anywhere drafts nothing this step,
+on every rank, so no rank verifies a tree another verifies as a chain.
+
 ``RankDigest`` is the check: an opt-in running hash of what each step hands
 vLLM (drafts, draft probabilities) and what it was made from (token history,
 the seconds read), read per rank through ``WorkerBase.vllm_plugins_rank_digest``.
@@ -24,6 +32,7 @@ the seconds read), read per rank through ``WorkerBase.vllm_plugins_rank_digest``
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 import numpy as np
 import torch
@@ -81,6 +90,11 @@ def join_tensor_parallel() -> bool:
     return _GROUP is not None
 
 
+def in_tensor_parallel() -> bool:
+    """Whether this worker is one of several tensor-parallel ranks."""
+    return _GROUP is not None
+
+
 def first_rank_values(*values: float | None) -> tuple[float | None, ...]:
     """The first rank's ``values`` on every rank: one broadcast of a small
     tensor under tensor parallel (None travels as NaN); on one rank the
@@ -91,6 +105,35 @@ def first_rank_values(*values: float | None) -> tuple[float | None, ...]:
                        dtype=torch.float64)
     torch.distributed.broadcast(buf, src=_GROUP.ranks[0], group=_GROUP.cpu_group)
     return tuple(None if np.isnan(v) else float(v) for v in buf.tolist())
+
+
+def draft_digest(tokens, parents, probs) -> int:
+    """A number that differs, but for a crc32 collision, between two
+    different drafts of one request (tokens, tree parents or None,
+    probability rows or None)."""
+    h = zlib.crc32(np.asarray(tokens, dtype=np.int64).tobytes())
+    h = zlib.crc32(b"chain" if parents is None
+                   else np.asarray(parents, dtype=np.int64).tobytes(), h)
+    if probs is not None:
+        h = zlib.crc32(np.ascontiguousarray(probs, dtype=np.float32).tobytes(), h)
+    else:
+        h = zlib.crc32(b"one-hot", h)
+    return h
+
+
+def differing_drafts(digests: list[int]) -> list[int]:
+    """Under tensor parallel, the indices (batch order) of the requests
+    whose draft digest differs from the first rank's on any rank: the same
+    list on every rank. On one rank, none, with no work."""
+    if _GROUP is None or not digests:
+        return []
+    mine = torch.tensor(digests, dtype=torch.int64)
+    first = mine.clone()
+    torch.distributed.broadcast(first, src=_GROUP.ranks[0], group=_GROUP.cpu_group)
+    differ = (mine != first).to(torch.int64)
+    torch.distributed.all_reduce(differ, op=torch.distributed.ReduceOp.MAX,
+                                 group=_GROUP.cpu_group)
+    return torch.nonzero(differ).flatten().tolist()
 
 
 class RankDigest:

@@ -46,6 +46,9 @@ class StepCounters:
     # Request drafts dropped because they broke the draft layout
     # (vllm_plugins.tree.checked): a proposer bug, never the engine's end.
     malformed_drafts: int = 0
+    # Request drafts dropped because tensor-parallel ranks drafted them
+    # differently (bridge/step.py:agree_across_ranks).
+    rank_disagreements: int = 0
 
     def count(self, sampled_token_ids, num_draft: list[int] | None) -> None:
         self.steps += 1
@@ -62,7 +65,8 @@ class StepCounters:
                 "accepted": self.accepted, "tokens": self.tokens,
                 "tree_steps": self.tree_steps, "tree_only_steps": self.tree_only_steps,
                 "tree_requests": self.tree_requests, "kv_moved": self.kv_moved,
-                "malformed_drafts": self.malformed_drafts}
+                "malformed_drafts": self.malformed_drafts,
+                "rank_disagreements": self.rank_disagreements}
 
 
 @dataclass
@@ -92,8 +96,13 @@ class RunnerState:
     tree_step: object = None
     tree_refusal: str | None = None
     tree_layout_checked: bool = False
-    # Whether a malformed draft of this runner's proposer was logged.
+    # Whether a malformed draft of this runner's proposer was logged, and a
+    # draft the tensor-parallel ranks disagreed on.
     malformed_logged: bool = False
+    rank_disagreement_logged: bool = False
+    # Each running request's parsed extra_args["speculation"] (None
+    # without one), parsed at its first step, dropped when it finishes.
+    speculation: dict = field(default_factory=dict)
     # Our counters' totals at their last report to vLLM's stats
     # (bridge/counters.py: each report carries what grew since).
     counters_reported: dict = field(default_factory=dict)

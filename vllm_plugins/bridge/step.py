@@ -85,6 +85,10 @@ def build_context(runner, state: RunnerState, scheduler_output,
     row = 0
     draft_off = 0
     requests = []
+    finished = take_finished(state, scheduler_output)
+    parsed = state.speculation
+    for req_id in finished:
+        parsed.pop(req_id, None)
     for i, req_id in enumerate(req_ids):
         accepted = np.asarray(sampled_token_ids[i] if i < len(sampled_token_ids)
                               else [], dtype=np.int64)
@@ -105,6 +109,13 @@ def build_context(runner, state: RunnerState, scheduler_output,
         req_state = runner.requests.get(req_id)
         params = getattr(req_state, "sampling_params", None)
         temperature = float(getattr(params, "temperature", 0.0) or 0.0)
+        if req_id not in parsed:
+            # Imported here: the bridge's modules load without numba (which
+            # the proposers' package imports), as plain vLLM needs on a vLLM
+            # the bridge was not checked against (vllm_plugins.register).
+            from vllm_plugins.proposers.sources.request import worker_speculation
+
+            parsed[req_id] = worker_speculation(params, state.proposer.max_draft)
         requests.append(RequestStep(
             req_id=req_id,
             accepted=accepted,
@@ -117,6 +128,7 @@ def build_context(runner, state: RunnerState, scheduler_output,
             temperature=temperature,
             sampling_params=params,
             group_id=group_of(req_id, req_state),
+            speculation=parsed[req_id],
         ))
     gap, state.gap_seconds = state.gap_seconds, None
     # Controllers decide from these seconds: under tensor parallel every rank
@@ -128,7 +140,7 @@ def build_context(runner, state: RunnerState, scheduler_output,
         gap)
     return StepContext(
         requests=requests,
-        finished=take_finished(state, scheduler_output),
+        finished=finished,
         max_draft=state.proposer.max_draft,
         last_step_seconds=step_seconds,
         last_step_tokens=int(scheduler_output.total_num_scheduled_tokens),
@@ -235,7 +247,8 @@ def check_drafts(runner, state: RunnerState, req_ids, drafts: Drafts) -> Drafts:
     from vllm_plugins.tree.checked import drop_malformed
 
     vocab = getattr(runner.input_batch, "vocab_size", None)
-    drafts, bad = drop_malformed(drafts, req_ids, None if vocab is None else int(vocab))
+    drafts, bad = drop_malformed(drafts, req_ids, None if vocab is None else int(vocab),
+                                 state.proposer.max_draft)
     if bad:
         state.counters.malformed_drafts += len(bad)
         if not state.malformed_logged:
@@ -246,6 +259,35 @@ def check_drafts(runner, state: RunnerState, req_ids, drafts: Drafts) -> Drafts:
                          "counted in malformed_drafts)",
                          type(state.proposer).__name__, req_id, why)
     return drafts
+
+
+def agree_across_ranks(state: RunnerState, ctx: StepContext, tokens: list[list[int]],
+                       probs: list | None) -> None:
+    """Under tensor parallel, each request whose draft differs between
+    ranks (``ranks.differing_drafts``) drafts nothing this step, on every
+    rank (in place); logged once, counted in ``rank_disagreements``."""
+    if not ranks.in_tensor_parallel():
+        return
+    digests = []
+    for i, r in enumerate(ctx.requests):
+        tree = state.trees.get(r.req_id)
+        digests.append(ranks.draft_digest(
+            tokens[i], None if tree is None else tree.parents,
+            probs[i] if probs is not None else None))
+    differ = ranks.differing_drafts(digests)
+    for i in differ:
+        tokens[i] = []
+        if probs is not None:
+            probs[i] = None
+        state.trees.pop(ctx.requests[i].req_id, None)
+    if differ:
+        state.counters.rank_disagreements += len(differ)
+        if not state.rank_disagreement_logged:
+            state.rank_disagreement_logged = True
+            logger.warning("%s drafted differently on tensor-parallel ranks for request "
+                           "%s; such drafts are dropped on every rank for that step "
+                           "(logged once, counted in rank_disagreements)",
+                           type(state.proposer).__name__, ctx.requests[differ[0]].req_id)
 
 
 def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
@@ -259,6 +301,7 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     drafts: Drafts = proposer.step(ctx)
     state.propose_seconds = time.perf_counter() - start
     tokens, probs = record_trees(runner, state, ctx, drafts)
+    agree_across_ranks(state, ctx, tokens, probs)
     set_draft_probs(runner, Drafts(tokens, probs), tokens)
     if state.digest is not None:
         state.digest.add(ctx, tokens, drafts.probs)

@@ -44,7 +44,7 @@ from vllm_plugins.kernels.kv_move import move_kv_layers
 from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
                                                  tree_attention_planned)
 from vllm_plugins.tree import acceptance
-from vllm_plugins.tree.draft import ancestor_mask, depths, validate
+from vllm_plugins.tree.draft import ancestor_mask, chain_length, depths, validate
 from vllm_plugins.tree.sampling import is_greedy, tree_allowed
 
 logger = logging.getLogger(__name__)
@@ -55,16 +55,6 @@ PLACEHOLDER_TOKEN_ID = -1
 
 
 # ------------------------------------------------------------ which requests
-
-def chain_length(parents) -> int:
-    """How many leading nodes form a chain from the root."""
-    n = 0
-    for i, p in enumerate(parents):
-        if int(p) != i - 1:
-            break
-        n += 1
-    return n
-
 
 @dataclass
 class ProposedTree:

@@ -17,6 +17,7 @@ from vllm_plugins.tree.acceptance import (
 from vllm_plugins.tree.draft import (
     ROOT,
     ancestor_mask,
+    chain_length,
     chain_parents,
     children,
     depths,
@@ -25,7 +26,7 @@ from vllm_plugins.tree.draft import (
 )
 
 __all__ = [
-    "ROOT", "TreeAcceptance", "ancestor_mask", "chain_parents", "children",
+    "ROOT", "TreeAcceptance", "ancestor_mask", "chain_length", "chain_parents", "children",
     "depths", "greedy_accept", "path_to", "row_starts",
     "sample_accept_deterministic", "sample_accept_with_probs", "validate",
 ]

@@ -11,8 +11,13 @@ logs the first problem of each proposer and counts every one
 (``StepCounters.malformed_drafts``).
 
 The layout (``vllm_plugins.step_context.Drafts``): ``tokens[i]`` are ids in
-``[0, vocab_size)``; ``parents[i]``, when given, has one entry per token,
-each ``-1`` (the root) or an earlier node's index (``parents[i][k] < k``).
+``[0, vocab_size)``, at most ``num_speculative_tokens`` of them (vLLM
+schedules no more); ``parents[i]``, when given, has one entry per token,
+each ``-1`` (the root) or an earlier node's index (``parents[i][k] < k``);
+``probs[i]``, when given, has one row per token over the vocabulary, each
+a distribution (finite, non-negative, summing to 1) that gives its drafted
+token a positive probability: vLLM's rejection sampler divides by it, and a
+row that is not a distribution would make the sampled output another's.
 """
 
 from __future__ import annotations
@@ -24,14 +29,27 @@ import numpy as np
 from vllm_plugins.step_context import Drafts
 
 
-def draft_problem(tokens, parents, vocab_size: int | None) -> str | None:
+# How far a probability row's sum may be from 1 (float32 rows of a large
+# vocabulary sum to 1 within about 1e-5).
+ROW_SUM_TOLERANCE = 1e-3
+
+
+def draft_problem(tokens, parents, vocab_size: int | None, probs=None,
+                  max_draft: int | None = None) -> str | None:
     """Why one request's draft breaks the layout, or None."""
     ids = _integers(tokens)
     if ids is None:
         return f"its tokens are not all integer token ids ({_first_odd(tokens)})"
+    if max_draft is not None and len(ids) > max_draft:
+        return (f"{len(ids)} tokens, more than num_speculative_tokens "
+                f"({max_draft})")
     if len(ids) and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
         k = int(np.flatnonzero((ids < 0) | (ids >= (vocab_size or np.inf)))[0])
         return f"token {k} is {int(ids[k])}, outside the vocabulary [0, {vocab_size})"
+    if probs is not None:
+        why = rows_problem(probs, ids, vocab_size)
+        if why is not None:
+            return why
     if parents is None:
         return None
     if len(parents) != len(ids):
@@ -45,6 +63,34 @@ def draft_problem(tokens, parents, vocab_size: int | None) -> str | None:
         k = int(wrong[0])
         return (f"node {k} has parent {int(up[k])}: a parent is -1 (the root) "
                 "or an earlier node (parents[i] < i)")
+    return None
+
+
+def rows_problem(probs, ids: np.ndarray, vocab_size: int | None) -> str | None:
+    """Why a request's probability rows are not one distribution per
+    drafted token, or None."""
+    p = np.asarray(probs)
+    want = (len(ids), vocab_size if vocab_size is not None else
+            (p.shape[1] if p.ndim == 2 else -1))
+    if p.shape != want:
+        return (f"probability rows of shape {p.shape} for {len(ids)} tokens "
+                f"(one row per token over the vocabulary: {want})")
+    if p.dtype.kind != "f":
+        return f"probability rows of dtype {p.dtype}, not floating point"
+    if not len(ids):
+        return None
+    sums = p.sum(axis=1, dtype=np.float64)
+    bad = np.flatnonzero(~(np.abs(sums - 1.0) <= ROW_SUM_TOLERANCE))
+    if len(bad):
+        k = int(bad[0])
+        return f"probability row {k} sums to {float(sums[k])!r}, not 1"
+    if p.min() < 0:
+        return "a probability row holds a negative entry"
+    drawn = p[np.arange(len(ids)), ids]
+    if not (drawn > 0).all():
+        k = int(np.flatnonzero(~(drawn > 0))[0])
+        return (f"token {k} ({int(ids[k])}) has probability {float(drawn[k])!r} in its "
+                "own row: a drafted token must be one its row can draw")
     return None
 
 
@@ -69,11 +115,11 @@ def _first_odd(values) -> str:
     return f"an array of {np.asarray(values).dtype}"
 
 
-def drop_malformed(drafts: Drafts, req_ids, vocab_size: int | None
-                   ) -> tuple[Drafts, list[tuple[str, str]]]:
+def drop_malformed(drafts: Drafts, req_ids, vocab_size: int | None,
+                   max_draft: int | None = None) -> tuple[Drafts, list[tuple[str, str]]]:
     """``drafts`` with every malformed request's draft emptied, and
     (request id, problem) for each. A step whose drafts do not give one row
-    per request drafts nothing."""
+    per request (tokens, parents or probability rows) drafts nothing."""
     n = len(req_ids)
     tokens = drafts.tokens
     if tokens is None or len(tokens) != n:
@@ -85,11 +131,17 @@ def drop_malformed(drafts: Drafts, req_ids, vocab_size: int | None
         return (Drafts([[] for _ in range(n)]),
                 [(r, f"{len(parents_all)} parent lists for {n} requests")
                  for r in req_ids])
+    probs_all = drafts.probs
+    if probs_all is not None and len(probs_all) != n:
+        return (Drafts([[] for _ in range(n)]),
+                [(r, f"{len(probs_all)} probability row sets for {n} requests")
+                 for r in req_ids])
     bad = []
     for i, req_id in enumerate(req_ids):
         parents = parents_all[i] if parents_all is not None else None
+        probs = probs_all[i] if probs_all is not None else None
         try:
-            why = draft_problem(tokens[i], parents, vocab_size)
+            why = draft_problem(tokens[i], parents, vocab_size, probs, max_draft)
         except (TypeError, ValueError, OverflowError) as e:  # not a list of small ints
             why = f"its draft is not a list of token ids ({e})"
         if why is not None:
@@ -102,7 +154,7 @@ def drop_malformed(drafts: Drafts, req_ids, vocab_size: int | None
     parents_all = None if parents_all is None else list(parents_all)
     for i, _, _ in bad:
         tokens[i] = []
-        if probs is not None and i < len(probs):
+        if probs is not None:
             probs[i] = None
         if confidence is not None and i < len(confidence):
             confidence[i] = None

@@ -21,6 +21,16 @@ def chain_parents(n: int) -> list[int]:
     return list(range(-1, n - 1))
 
 
+def chain_length(parents: Sequence[int]) -> int:
+    """How many leading nodes form a chain from the root."""
+    n = 0
+    for i, p in enumerate(parents):
+        if int(p) != i - 1:
+            break
+        n += 1
+    return n
+
+
 def validate(parents: Sequence[int]) -> None:
     """Raise ValueError naming the first node whose parent breaks the layout.
 

@@ -45,12 +45,17 @@ class RequestBook:
 
     params_by_index: dict[int, object] = field(default_factory=dict)
     live: set[str] = field(default_factory=set)
+    # Each live request's parsed extra_args["speculation"] (None without
+    # one), parsed at its first step.
+    speculation: dict[str, object] = field(default_factory=dict)
 
     def finished(self, req_states) -> set[str]:
         """Requests we drafted for that V2 has since removed (finished,
         aborted or preempted: ``finish_requests`` runs before the step)."""
         gone = {r for r in self.live if r not in req_states.req_id_to_index}
         self.live -= gone
+        for req_id in gone:
+            self.speculation.pop(req_id, None)
         return gone
 
 
@@ -84,6 +89,10 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
         rows = slice(int(cu[b]), int(cu[b + 1]))
         params = book.params_by_index.get(int(index[b]))
         book.live.add(req_id)
+        if req_id not in book.speculation:
+            from vllm_plugins.proposers.sources.request import worker_speculation
+
+            book.speculation[req_id] = worker_speculation(params, max_draft)
         requests.append(RequestStep(
             req_id=req_id,
             accepted=tokens[b, n - emitted:n],
@@ -96,6 +105,7 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
             temperature=float(getattr(params, "temperature", 0.0) or 0.0),
             sampling_params=params,
             group_id=group_of(req_id, _ParamsHolder(params)),
+            speculation=book.speculation[req_id],
         ))
     return StepContext(
         requests=requests,

@@ -136,10 +136,11 @@ class PluginSpeculator:
         """Each request's draft as a chain (a tree's first path: V2 verifies
         chains), a malformed one dropped and counted."""
         from vllm_plugins.tree.checked import drop_malformed
-        from vllm_plugins.bridge.tree_step import chain_length
+        from vllm_plugins.tree.draft import chain_length
 
         req_ids = [r.req_id for r in ctx.requests]
-        drafts, bad = drop_malformed(drafts, req_ids, self.proposer.vocab_size)
+        drafts, bad = drop_malformed(drafts, req_ids, self.proposer.vocab_size,
+                                     self.proposer.max_draft)
         if bad:
             self.state.counters.malformed_drafts += len(bad)
             logger.error("%s proposed a malformed draft for request %s (%s); such "
