@@ -18,12 +18,13 @@ import numpy as np
 from vllm_plugins.options import Option
 from vllm_plugins.proposers.draft_length import draft_length_options, make_controller
 from vllm_plugins.proposers.draft_length.controllers import trim  # noqa: F401 (re-exported)
+from vllm_plugins.drafter import Drafter
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 
 logger = logging.getLogger("vllm_plugins")
 
 
-class PluginProposer:
+class PluginProposer(Drafter):
     # Declared options, see vllm_plugins.options: every method takes the
     # draft-length options, and a subclass adds its own after them.
     OPTIONS: tuple[Option, ...] = draft_length_options()

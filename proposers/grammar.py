@@ -165,7 +165,7 @@ class GrammarProposer(PluginProposer):
             self.TOPK = self.inner.TOPK  # the bridge extracts top-k for the inner
             # A self-drafting inner (swift, del) needs the bridge's target
             # layers and KV lookahead: the bridge reads these from the outer.
-            self.SELF_DRAFT = getattr(self.inner, "SELF_DRAFT", False)
+            self.SELF_DRAFT = self.inner.SELF_DRAFT
             if self.inner.TOPK:
                 from vllm_plugins.logits_processors.grammar_topk import MASKED_TOPK
 
@@ -195,7 +195,7 @@ class GrammarProposer(PluginProposer):
         super().load_model(target_model)
         if self.inner is not None:
             self.inner.load_model(target_model)
-            self.aux_layers = getattr(self.inner, "aux_layers", ())
+            self.aux_layers = self.inner.aux_layers
 
     # ------------------------------------------------------------ lifecycle
     def free(self, req_id: str) -> None:

@@ -63,6 +63,23 @@ def test_what_v2_cannot_serve_falls_back_to_v1(greedy, method):
     assert greedy[method]["tokens"] == greedy["plain"]["tokens"]
 
 
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    return run_scenario("preempted", tmp_path_factory.mktemp("v2"))
+
+
+@pytest.mark.parametrize("method", ["token_recycling", "token_recycling_device"])
+def test_preemption_and_an_abort_on_v2_keep_plain_decodings_output(preempted, method):
+    from tests.v2_engines import PREEMPT_SPECS
+
+    assert method in PREEMPT_SPECS
+    plain, got = preempted["plain"], preempted[method]
+    assert plain["preemptions"] > 0 and got["preemptions"] > 0, "no preemption: no teeth"
+    assert got["runner"] == "v2"
+    assert got["tokens"] == plain["tokens"]
+    assert got["stats"]["steps"] > 0
+
+
 def goodness_of_fit_pvalue(counts, probs, min_expected=5.0) -> float:
     """Chi-square of observed counts against exact probabilities; cells
     expected fewer than ``min_expected`` times are pooled."""

@@ -7,6 +7,7 @@ runs this module as a script, one process a scenario with its engines one
 after the other, and reads back one JSON object:
 
     python -m tests.v2_engines greedy   # tiny model: every method vs plain V2
+    python -m tests.v2_engines preempted  # tiny model: preemption and an abort
     python -m tests.v2_engines draft_logits  # V2's rejection sampler, our rows
 
 V2's own kernels run in Triton's interpreter here, so the scenarios keep to
@@ -91,6 +92,59 @@ def greedy(tmp: str) -> dict:
     return out
 
 
+# Preemption and an abort on V2: a KV cache too small for the batch (as in
+# tests/test_preemption_e2e.py, smaller) makes vLLM preempt and re-prefill
+# requests; one more request is aborted mid-way.
+PREEMPT_KV_BYTES = 384 * 2**10
+PREEMPT_TOKENS = 120
+PREEMPT_SPECS = {
+    "token_recycling": {"method": "token_recycling", "min_confidence": 0.0},
+    "token_recycling_device": {"method": "token_recycling", "tables": "device",
+                               "min_confidence": 0.0},
+}
+
+
+def preempted(tmp: str) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from tests.test_preemption_e2e import BLOCK, PROMPTS, preemptions
+    from tests.tiny_model import tiny_llama
+    from vllm_plugins.bench.engines import engine_stats, shutdown_all
+
+    path = tiny_llama(os.path.join(tmp, "untied"))
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # kv_cache_memory_bytes decides
+    out = {}
+    for name, spec in {"plain": None, **PREEMPT_SPECS}.items():
+        if spec is not None:
+            spec = {**spec, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+                    "draft_length": "fixed"}
+        llm = LLM(model=path, dtype="float32", max_model_len=256, max_num_seqs=4,
+                  block_size=BLOCK, kv_cache_memory_bytes=PREEMPT_KV_BYTES,
+                  enforce_eager=True, seed=0, speculative_config=spec,
+                  disable_log_stats=False, use_tqdm_on_load=False)
+        try:
+            engine = llm.llm_engine
+            params = SamplingParams(temperature=0.0, max_tokens=PREEMPT_TOKENS,
+                                    ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+            tokens = {f"r{i}": [] for i in range(len(PROMPTS) + 1)}
+            for i, prompt in enumerate(PROMPTS + PROMPTS[:1]):
+                engine.add_request(f"r{i}", prompt, params)
+            steps = 0
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    tokens[o.request_id].extend(o.outputs[0].token_ids)
+                steps += 1
+                if steps == 5:
+                    engine.abort_request([f"r{len(PROMPTS)}"])
+            out[name] = {"runner": runner_of(llm), "preemptions": preemptions(llm),
+                         "tokens": [tokens[f"r{i}"] for i in range(len(PROMPTS))],
+                         "stats": engine_stats(llm) if spec else {}}
+        finally:
+            shutdown_all([llm])
+    return out
+
+
 # The sampled-output check of draft probabilities on V2: one draft per
 # request, drawn from the proposer's row p, verified by V2's own rejection
 # sampler against the target; the output token must follow the target.
@@ -158,7 +212,8 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     scenario, tmp = sys.argv[1], sys.argv[2]
-    result = {"greedy": greedy, "draft_logits": draft_logits}[scenario](tmp)
+    result = {"greedy": greedy, "preempted": preempted,
+              "draft_logits": draft_logits}[scenario](tmp)
     print("V2_ENGINES_RESULT " + json.dumps(result), flush=True)
 
 

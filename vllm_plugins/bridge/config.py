@@ -195,4 +195,4 @@ def self_drafting(speculative_config) -> bool:
     inner = inner.get("method") if isinstance(inner, dict) else inner
     if isinstance(inner, str) and inner in METHODS:
         classes.append(METHODS[inner].proposer_class())
-    return any(getattr(cls, "SELF_DRAFT", False) for cls in classes)
+    return any(cls.SELF_DRAFT for cls in classes)

@@ -27,9 +27,9 @@ from vllm_plugins.bridge.state import attach, state_of
 
 
 def is_ours(drafter) -> bool:
-    from vllm_plugins.proposers.base import PluginProposer
+    from vllm_plugins.drafter import Drafter
 
-    return isinstance(drafter, PluginProposer)
+    return isinstance(drafter, Drafter)
 
 
 def wrap_after_load(original):
@@ -48,14 +48,14 @@ def wrap_after_load(original):
         state = attach(self, drafter)
         ranks.join_tensor_parallel()
         state.tree_refusal = runner_tree_refusal(self)
-        if getattr(drafter, "SELF_DRAFT", False):
+        if drafter.SELF_DRAFT:
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
             from vllm_plugins.bridge.target_layers import check_target
 
             options = getattr(self.vllm_config.speculative_config,
                               PLUGIN_OPTIONS_ATTR, None) or {}
             check_target(self, options.get("method", type(drafter).__name__))
-        layers = tuple(getattr(drafter, "aux_layers", ()) or ())
+        layers = tuple(drafter.aux_layers)
         if not layers:
             return original(self)
         model = self.get_model()

@@ -170,7 +170,7 @@ def add_self_draft(runner, proposer, ctx: StepContext, common_attn_metadata,
     if aux_hidden_states:
         # The model appends streams in layer order (set_aux_hidden_state_layers
         # stores the sorted set).
-        layers = sorted(set(getattr(proposer, "aux_layers", ())))
+        layers = sorted(set(proposer.aux_layers))
         ctx.aux_streams = dict(zip(layers, aux_hidden_states))
 
 
@@ -295,7 +295,7 @@ def propose(runner, state: RunnerState, scheduler_output, sampled_token_ids,
     """Our proposer's drafts for this step, in batch order."""
     proposer = state.proposer
     ctx = build_context(runner, state, scheduler_output, sampled_token_ids)
-    if getattr(proposer, "SELF_DRAFT", False) and common_attn_metadata is not None:
+    if proposer.SELF_DRAFT and common_attn_metadata is not None:
         add_self_draft(runner, proposer, ctx, common_attn_metadata, aux_hidden_states)
     start = time.perf_counter()
     drafts: Drafts = proposer.step(ctx)
