@@ -69,7 +69,7 @@ def test_a_run_on_the_tiny_model_reports_every_component(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert host_profile.main(["--model", model, "--methods", ",".join(methods),
                               "--extra", ALL_SOURCES, "--batch-sizes", "1",
-                              "--batches", "1", "--max-tokens", "32",
+                              "--prompts", "1", "--max-tokens", "32",
                               "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}

@@ -310,20 +310,21 @@ def parse_args(argv=None):
     p.add_argument("--extra", action="append", default=[], metavar="NAME=JSON",
                    help="add a method: a name and its speculative_config as JSON")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 64])
-    p.add_argument("--batches", type=int, default=2,
-                   help="measured batches per batch size (distinct prompts)")
+    p.add_argument("--prompts", type=int, default=4,
+                   help="measured prompts per batch size, at least one full batch "
+                        "(rounded up to whole batches; distinct prompts)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None, help="a JSON file for the rows")
     args = p.parse_args(argv)
     unknown = [m for m in args.methods.split(",") if m and m not in METHODS]
     if unknown:
         p.error(f"--methods: unknown {unknown}; known {list(METHODS)}")
-    if args.batches < 1 or args.max_tokens < 1:
-        p.error("--batches and --max-tokens must be positive")
+    if args.prompts < 1 or args.max_tokens < 1:
+        p.error("--prompts and --max-tokens must be positive")
     return args
 
 
-def prompt_sets(tokenizer, sizes, batches) -> tuple[list, dict]:
+def prompt_sets(tokenizer, sizes, prompts) -> tuple[list, dict]:
     """Warm-up prompts and, per batch size, its own measured prompts (the
     dev questions in file order, reused from the start when they run out)."""
     from vllm_plugins.bench.data import load_questions, render
@@ -338,7 +339,7 @@ def prompt_sets(tokenizer, sizes, batches) -> tuple[list, dict]:
         return out
 
     warm = take(2)
-    return warm, {b: take(b * batches) for b in sizes}
+    return warm, {b: take(b * -(-prompts // b)) for b in sizes}
 
 
 def main(argv=None) -> int:
@@ -376,7 +377,7 @@ def main(argv=None) -> int:
             engine = build_engine(model, configs[m], max_num_seqs=max(args.batch_sizes))
             try:
                 warm, sets = prompt_sets(engine.get_tokenizer(), args.batch_sizes,
-                                         args.batches)
+                                         args.prompts)
                 run_batch(engine, warm, params)
                 for b in args.batch_sizes:
                     row = measure(engine, sets[b], params, b, prof)
@@ -400,7 +401,7 @@ def report(rows, methods, args, cost) -> str:
     """One markdown table per batch size: components by method."""
     order = labels()
     lines = [f"Thread CPU ms per engine step (own time of each component), "
-             f"{args.max_tokens} tokens a request, {args.batches} batch(es) per size; "
+             f"{args.max_tokens} tokens a request, at least {args.prompts} prompts a batch size; "
              f"timer cost a call {cost * 1e6:.2f} us; "
              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"]
     for b in args.batch_sizes:
