@@ -346,25 +346,18 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
-    from vllm_plugins.bench.engines import (add_extra_methods,
-                                           numba_threads_as_the_engines, quiet_vllm,
-                                           suffix_available)
+    from vllm_plugins.bench.engines import numba_threads_as_the_engines, quiet_vllm
 
     numba_threads_as_the_engines()
     quiet_vllm()
     from vllm import SamplingParams
 
     import vllm_plugins.bridge as bridge
-    from vllm_plugins.bench.engines import (build_engine, resolve_model, run_batch,
-                                           shutdown_all)
+    from vllm_plugins.bench.engines import (build_engine, chosen_methods, resolve_model,
+                                           run_batch, shutdown_all)
 
     bridge.install()
-    methods = [m for m in args.methods.split(",") if m]
-    configs = dict(METHODS)
-    add_extra_methods(configs, methods, args.extra)
-    if "suffix" in methods and not suffix_available():
-        print("suffix: arctic-inference is not installed; skipping that method")
-        methods.remove("suffix")
+    methods, configs = chosen_methods(args.methods, args.extra, METHODS)
     model = resolve_model(args.model)
     prof = Profile()
     prof.install()   # before any engine: a missing function stops here
@@ -385,6 +378,8 @@ def main(argv=None) -> int:
                     rows.append(row)
                     print(f"{m} batch {b}: {row['steps']} steps, MAT {row['MAT']:.2f}, "
                           f"ours {row['ours_ms']:.2f} CPU ms a step", flush=True)
+                    if args.out:   # each row as it comes: a long run stopped keeps them
+                        write_rows(args, rows)
             finally:
                 shutdown_all([engine])
                 del engine
@@ -392,9 +387,13 @@ def main(argv=None) -> int:
         prof.uninstall()
     print(report(rows, methods, args, cost))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "timer_cost_s": cost, "rows": rows}, f, indent=1)
+        write_rows(args, rows, cost)
     return 0
+
+
+def write_rows(args, rows, cost=None) -> None:
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "timer_cost_s": cost, "rows": rows}, f, indent=1)
 
 
 def report(rows, methods, args, cost) -> str:
