@@ -78,10 +78,10 @@ def test_a_run_on_the_tiny_model_reports_every_component(tmp_path, capsys):
     # The hybrid's trees pass through every component of ours but the
     # draft-length policy, which Token Recycling's default runs.
     calls = rows["all_sources"]["calls_per_step"]
-    skip = {"controller (and tree shaping)", host_profile.SUFFIX}
+    skip = {host_profile.CONTROLLER, host_profile.SUFFIX}
     missing = [k for k in host_profile.labels() if k not in skip and not calls.get(k)]
     assert not missing, missing
-    assert rows["token_recycling"]["calls_per_step"].get("controller (and tree shaping)")
+    assert rows["token_recycling"]["calls_per_step"].get(host_profile.CONTROLLER)
     assert rows["all_sources"]["ours_ms"] > 0 and rows["all_sources"]["steps"] > 0
     if "suffix" in rows:
         assert rows["suffix"]["calls_per_step"].get(host_profile.SUFFIX)

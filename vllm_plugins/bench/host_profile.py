@@ -94,16 +94,12 @@ FUNCTIONS = (
     ("merge", "vllm_plugins.proposers.sources.merge:Merger.merge_step"),
     ("merge: outcomes", "vllm_plugins.proposers.hybrid:HybridProposer._learn_outcomes"),
     ("merge: outcomes", "vllm_plugins.proposers.sources.calibrate:SourceCalibrator.learn"),
-    ("controller (and tree shaping)", "vllm_plugins.proposers.draft_length.controllers:"
-                                      "DraftLengthController.observe"),
-    ("controller (and tree shaping)", "vllm_plugins.proposers.draft_length.controllers:"
-                                      "EstimatingController.observe"),
-    ("controller (and tree shaping)", "vllm_plugins.proposers.draft_length.controllers:"
-                                      "DraftLengthController.shape"),
-    ("controller (and tree shaping)", "vllm_plugins.proposers.draft_length.tree_goodput:"
-                                      "TreeGoodputController.shape"),
     (SUFFIX, "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.propose"),
 )
+# Every draft-length controller's step methods, as one component.
+CONTROLLER = "controller (and tree shaping)"
+CONTROLLER_MODULES = ("controllers", "goodput", "tree_goodput")
+CONTROLLER_METHODS = ("observe", "max_length", "shape")
 # Each draft source's step methods, as "source <name>".
 SOURCE_MODULES = ("recycling", "suffix", "lookup", "stand")
 SOURCE_METHODS = ("learn", "propose", "sent")
@@ -151,6 +147,10 @@ class Profile:
         try:
             for label, target in FUNCTIONS:
                 self._wrap_attribute(label, *resolve(target))
+            for owner in controller_classes():
+                for name in CONTROLLER_METHODS:
+                    if name in vars(owner):
+                        self._wrap_attribute(CONTROLLER, owner, name)
             for owner, label in source_classes():
                 for name in SOURCE_METHODS:
                     if name in vars(owner):
@@ -222,6 +222,23 @@ def source_classes() -> list[tuple[type, str]]:
     return out
 
 
+def controller_classes() -> list[type]:
+    """Every draft-length controller class of the package."""
+    from vllm_plugins.proposers.draft_length.controllers import DraftLengthController
+
+    for m in CONTROLLER_MODULES:
+        importlib.import_module(f"vllm_plugins.proposers.draft_length.{m}")
+    out, todo = [], [DraftLengthController]
+    while todo:
+        c = todo.pop()
+        out.append(c)
+        todo += c.__subclasses__()
+    if not any(n in vars(c) for c in out for n in CONTROLLER_METHODS):
+        raise RuntimeError("host-profile: no controller defines "
+                           f"{CONTROLLER_METHODS}; update CONTROLLER_METHODS in {__name__}")
+    return list(dict.fromkeys(out))
+
+
 def original_cell(wrapper):
     """The closure cell holding the vLLM function a patch's wrapper calls
     (``functools.wraps`` names it ``__wrapped__``), searched in the
@@ -269,7 +286,7 @@ def timer_cost(prof: Profile, calls: int = 20000) -> float:
 
 def labels() -> list[str]:
     """Every component, in the table's order."""
-    out = [BRIDGE]
+    out = [BRIDGE, CONTROLLER]
     for label, _ in FUNCTIONS:
         if label not in out:
             out.append(label)
