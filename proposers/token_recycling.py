@@ -220,8 +220,10 @@ class TokenRecyclingProposer(PluginProposer):
             return False
         tokens, parents = drafted
         m = len(r.verified_tokens) - 1
-        if m < 2 or m > len(tokens) or not np.array_equal(r.verified_tokens[1:], tokens[:m]) \
-                or np.array_equal(parents[:m], np.arange(-1, m - 1)):
+        # m <= len(tokens) and verified_tokens has m + 1 entries: the compared
+        # arrays have one length (np.array_equal's checks cost more here).
+        if m < 2 or m > len(tokens) or not (r.verified_tokens[1:] == tokens[:m]).all() \
+                or (parents[:m] == np.arange(-1, m - 1)).all():
             return False
         base = len(r.context) - len(r.accepted)
         learn_tree(self.tables, np.asarray(r.context[:base], np.int64), tokens[:m],

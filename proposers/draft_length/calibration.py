@@ -8,7 +8,8 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import integer, number
-from vllm_plugins.proposers.draft_length.acceptance import EPS, odds_scale, outcome_masks
+from vllm_plugins.proposers.draft_length.acceptance import (EPS, clip, odds_scale,
+                                                           outcome_masks, unit_interval)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 # Options of the policies that read a proposer's confidences.
@@ -62,7 +63,10 @@ class ConfidenceCalibrator:
         slots.add("conf_seen", (), np.bool_, False)
 
     def _bin(self, c: np.ndarray) -> np.ndarray:
-        return np.clip((np.nan_to_num(c) * self.bins).astype(np.int64), 0, self.bins - 1)
+        # nan_to_num's values where they matter: NaN -> bin 0 (an infinity's
+        # bin is the same either way once the product is cast).
+        return clip((np.where(c == c, c, 0.0) * self.bins).astype(np.int64), 0,
+                    self.bins - 1)
 
     def remember(self, rows: np.ndarray, conf: np.ndarray | None, keep: np.ndarray,
                  upto: np.ndarray | None = None) -> None:
@@ -110,7 +114,7 @@ class ConfidenceCalibrator:
         if len(r_idx) == 0:
             return
         has = np.bincount(r_idx, minlength=len(rows)) > 0
-        c = np.clip(c, 0.0, 1.0)
+        c = clip(c, 0.0, 1.0)
         b = self._bin(c)
         expected = self._global(j_idx, c)          # before this step's outcomes
         self.gs *= self._gdecay
@@ -133,12 +137,12 @@ class ConfidenceCalibrator:
     def calibrate_at(self, rows: np.ndarray, j: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of single drafts: slot row, position
         (0-based; a tree node's depth - 1) and raw confidence per entry."""
-        c = np.clip(np.nan_to_num(conf.astype(np.float64)), 0.0, 1.0)
+        c = unit_interval(conf.astype(np.float64))
         g = self._global(np.minimum(j, self.depth - 1), c)
         a = self.slots.arrays
         k = self._STRENGTH
         level = (a["cal_s"][rows] + k) / (a["cal_e"][rows] + k)
-        return np.clip(odds_scale(g, level), EPS, 1.0 - EPS)
+        return clip(odds_scale(g, level), EPS, 1.0 - EPS)
 
     def calibrate(self, rows: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities, same shape as ``conf`` (column j = draft
@@ -146,13 +150,13 @@ class ConfidenceCalibrator:
         a = self.slots.arrays
         width = min(conf.shape[1], self.depth)
         conf = conf[:, :width]
-        c = np.clip(np.nan_to_num(conf.astype(np.float64)), 0.0, 1.0)
+        c = unit_interval(conf.astype(np.float64))
         j = np.broadcast_to(np.arange(width)[None, :], c.shape)
         g = self._global(j, c)
         k = self._STRENGTH
         level = (a["cal_s"][rows] + k) / (a["cal_e"][rows] + k)
         out = odds_scale(g, level[:, None])
-        return np.where(np.isnan(conf), np.nan, np.clip(out, EPS, 1.0 - EPS))
+        return np.where(np.isnan(conf), np.nan, clip(out, EPS, 1.0 - EPS))
 
     def table(self) -> list[float]:
         mid = (np.arange(self.bins) + 0.5) / self.bins
@@ -221,7 +225,7 @@ class PrefixCalibrator(OutcomeCalibrator):
         slots.add("q_used", (max_draft,), np.float64, np.nan)
 
     def apply(self, q: np.ndarray) -> np.ndarray:
-        out = np.clip(q * self.factor(q), EPS, 1.0 - EPS)
+        out = clip(q * self.factor(q), EPS, 1.0 - EPS)
         return np.minimum.accumulate(out, axis=1)
 
     def remember(self, rows: np.ndarray, q: np.ndarray, upto: np.ndarray) -> None:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_plugins.options import number
-from vllm_plugins.proposers.draft_length.acceptance import ESTIMATOR_OPTIONS, AcceptanceEstimator
+from vllm_plugins.proposers.draft_length.acceptance import (ESTIMATOR_OPTIONS, AcceptanceEstimator,
+                                                           clip)
 from vllm_plugins.proposers.draft_length.calibration import (
     CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
@@ -131,7 +132,7 @@ class DraftLengthController:
                 (r.req_id in observation.zero_bound for r in ctx.requests[:len(lengths)]),
                 dtype=bool, count=min(len(lengths), len(ctx.requests)))
         keep = self._keep(ctx, drafts, lengths, observation, bound)
-        keep = np.clip(keep, 0, lengths)
+        keep = clip(keep, 0, lengths)
         offered = lengths > 0
         self.no_draft += int((~offered & ~bound).sum())
         self.decisions += int((offered | bound).sum())
@@ -277,7 +278,7 @@ class EstimatingController(DraftLengthController):
         if self.probe_interval > 0 and self._probe_scale > 0:
             due = self.slots.arrays["zero_streak"][rows] >= self._probe_gap(rows)
             bound = np.where(due, np.maximum(bound, 1), bound)
-        bound = np.clip(bound, 0, self.max_draft)
+        bound = clip(bound, 0, self.max_draft)
         if self.calibrator is not None:
             # Confidences only arrive with the drafts.
             bound = np.where(self.slots.arrays["conf_seen"][rows], self.max_draft, bound)
@@ -311,13 +312,13 @@ class EstimatingController(DraftLengthController):
         hit = peek & (last == cut_token)
         self.cut_observed += int(peek.sum())
         if self.counting_free:
-            at = np.clip(cut_at[peek], 0, self.max_draft - 1)
+            at = clip(cut_at[peek], 0, self.max_draft - 1)
             self._free_outcome(hit[peek],
                                self.estimator.probs(rows[peek])[np.arange(len(at)), at])
         return n + peek, m + hit
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
-        p = np.clip(np.asarray(foreseen, np.float64), 0.0, 1.0)
+        p = clip(np.asarray(foreseen, np.float64), 0.0, 1.0)
         self.free_outcomes += (len(p), float(np.sum(accepted)), float(p.sum()),
                                float(np.sum(p * (1.0 - p))))
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm_plugins.proposers.draft_length.acceptance import EPS
+from vllm_plugins.proposers.draft_length.acceptance import EPS, clip
 from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.controllers import Observation, trim
 from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
@@ -163,7 +163,7 @@ class TreeGoodputController(GoodputController):
         select = _select()
         reqs = ctx.requests
         trees = np.zeros(len(reqs), dtype=bool)
-        r_idx, j_idx, conf, outcome, q_used, q_outcome = [], [], [], [], [], []
+        r_rows, r_counts, j_idx, conf, outcome, q_used, q_outcome = [], [], [], [], [], [], []
         roots, roots_q = [], []   # per tree: a root child accepted, and its foreseen q
         for i, r in enumerate(reqs):
             sent = self._sent.pop(r.req_id, None)
@@ -186,7 +186,8 @@ class TreeGoodputController(GoodputController):
                 roots.append(bool(accepted[first].any()))
                 roots_q.append(min(1.0, float(sent.q_raw[first].sum())))
             idx = np.nonzero(observed)[0]
-            r_idx.append(np.full(len(idx), i, np.int64))
+            r_rows.append(i)
+            r_counts.append(len(idx))
             j_idx.append(sent.depth[idx] - 1)
             conf.append(sent.conf[idx])
             outcome.append(accepted[idx].astype(np.float64))
@@ -206,9 +207,10 @@ class TreeGoodputController(GoodputController):
             return None, None
         if self.path_calibration is not None and q_used:
             self.path_calibration.learn(np.concatenate(q_used), np.concatenate(q_outcome))
-        if not r_idx:
+        if not r_rows:
             return trees, None
-        return trees, tuple(np.concatenate(a) for a in (r_idx, j_idx, conf, outcome))
+        r_idx = np.repeat(np.asarray(r_rows, np.int64), r_counts)
+        return trees, (r_idx, *(np.concatenate(a) for a in (j_idx, conf, outcome)))
 
     def _verified_tree(self, ctx: StepContext) -> bool:
         return self._verified_a_tree
@@ -307,7 +309,7 @@ class TreeGoodputController(GoodputController):
             start += n
             q = q_raw
             if self.path_calibration is not None:
-                q = np.clip(q_raw * self.path_calibration.factor(q_raw), EPS, 1.0 - EPS)
+                q = clip(q_raw * self.path_calibration.factor(q_raw), EPS, 1.0 - EPS)
             q = select.cap_by_parent(par, q)
             out.append(TreeRow(int(i), tokens, parents, d, conf, q_raw, q,
                                select.rank_nodes(q), select.best_path(par, q)))
@@ -402,5 +404,8 @@ def _select():
 
 def _is_chain(sent: SentTree, n: int) -> bool:
     """Whether the first n nodes sent form a chain (vLLM's own path)."""
-    return bool(np.array_equal(sent.parents[sent.layout[:n]],
-                               np.concatenate([[-1], sent.layout[:n - 1]])))
+    layout = sent.layout[:n]
+    chain = np.concatenate(([-1], layout[:-1]))
+    if len(layout) != len(chain):   # n = 0: no node is no chain
+        return False
+    return bool((sent.parents[layout] == chain).all())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_plugins.proposers.draft_length.acceptance import clip, unit_interval
 from vllm_plugins.proposers.jit import cached_njit
 
 
@@ -57,9 +58,9 @@ class SourceCalibrator:
         self.nd = np.zeros((num_sources, depth, bins))
 
     def _index(self, depth: np.ndarray, c: np.ndarray):
-        d = np.clip(np.asarray(depth, np.int64) - 1, 0, self.depth - 1)
-        c = np.clip(np.nan_to_num(np.asarray(c, np.float64)), 0.0, 1.0)
-        b = np.clip((c * self.bins).astype(np.int64), 0, self.bins - 1)
+        d = clip(np.asarray(depth, np.int64) - 1, 0, self.depth - 1)
+        c = unit_interval(np.asarray(c, np.float64))
+        b = clip((c * self.bins).astype(np.int64), 0, self.bins - 1)
         return d, b, c
 
     def calibrate(self, source: int, depth: np.ndarray, c: np.ndarray) -> np.ndarray:

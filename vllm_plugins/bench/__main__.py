@@ -47,6 +47,11 @@ def _tree_profile():
     return tree_profile
 
 
+def _host_profile():
+    from vllm_plugins.bench import host_profile
+    return host_profile
+
+
 def _vocab_cost():
     from vllm_plugins.bench import vocab_cost
     return vocab_cost
@@ -87,6 +92,9 @@ SUBCOMMANDS = {
                                 "against tree"),
     "tree-profile": (_tree_profile, "where a tree step's time goes, part by part, against "
                                     "a chain step of the same tokens"),
+    "host-profile": (_host_profile, "our host CPU time per engine step by component "
+                                    "(bridge, sources, merge, controller, tree), beside "
+                                    "vLLM suffix's"),
     "vocab-cost": (_vocab_cost, "what Token Recycling adds to a step against vLLM ngram "
                                 "on a 262k vocabulary"),
     "proposer-cost": (_proposer_cost, "a proposer's own time per step on synthetic steps, "

@@ -118,15 +118,9 @@ def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
 
 
 def _resolve_methods(args):
-    from vllm_plugins.bench.engines import (METHOD_CONFIGS, add_extra_methods,
-                                           suffix_available)
+    from vllm_plugins.bench.engines import METHOD_CONFIGS, chosen_methods
 
-    methods = [m for m in args.methods.split(",") if m]
-    configs = dict(METHOD_CONFIGS)
-    add_extra_methods(configs, methods, args.extra)
-    if "suffix" in methods and not suffix_available():
-        print("suffix: arctic-inference is not installed; skipping that method")
-        methods.remove("suffix")
+    methods, configs = chosen_methods(args.methods, args.extra, METHOD_CONFIGS)
     unknown = [m for m in methods if m not in configs]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; known: {list(configs)}")

@@ -103,6 +103,19 @@ def add_extra_methods(configs: dict, methods: list[str], extra: list[str]) -> No
         methods.append(name)
 
 
+def chosen_methods(names: str, extra: list[str], known: dict) -> tuple[list[str], dict]:
+    """The methods of a comma list plus each ``--extra NAME=JSON``, and the
+    configs by name (``known`` and the extra ones); ``suffix`` is left out,
+    with a note, where arctic-inference is not installed."""
+    methods = [m for m in names.split(",") if m]
+    configs = dict(known)
+    add_extra_methods(configs, methods, extra)
+    if "suffix" in methods and not suffix_available():
+        print("suffix: arctic-inference is not installed; skipping that method")
+        methods.remove("suffix")
+    return methods, configs
+
+
 def build_engine(model: str, spec: dict | None, *, max_num_seqs: int = 16,
                  max_model_len: int = 2048, enforce_eager: bool = True,
                  seed: int = 0, kv_cache_mib: int = 512):
