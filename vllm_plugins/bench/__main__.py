@@ -146,6 +146,9 @@ def choose_runner(name: str) -> None:
             from vllm_plugins.v2_on_cpu import enable
 
             enable()
+            # Engine processes vLLM spawns import Triton anew, without the
+            # stand-in: the engines run in this process instead.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main(argv: list[str] | None = None) -> int:
