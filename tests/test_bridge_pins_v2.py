@@ -64,7 +64,7 @@ def test_v2_runner_builds_its_drafter_through_init_speculator():
     from vllm.v1.worker.gpu.spec_decode import init_speculator
     from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
-    from vllm_plugins.bridge.v2.speculator import PluginSpeculator
+    from vllm_plugins.bridge.v2.drafter_base import V2Drafter
 
     assert list(inspect.signature(init_speculator).parameters) == [
         "vllm_config", "device", "req_states"]
@@ -74,7 +74,7 @@ def test_v2_runner_builds_its_drafter_through_init_speculator():
     assert "self.speculator = init_speculator(" in src
     assert BaseSpeculator.__abstractmethods__ == {
         "init_cudagraph_manager", "capture", "propose"}
-    ours = inspect.signature(PluginSpeculator.propose).parameters
+    ours = inspect.signature(V2Drafter.propose).parameters
     theirs = inspect.signature(BaseSpeculator.propose).parameters
     assert list(ours) == list(theirs)
     runner_src = inspect.getsource(model_runner.GPUModelRunner)
@@ -82,8 +82,8 @@ def test_v2_runner_builds_its_drafter_through_init_speculator():
     for name in ("supports_mm_inputs", "draft_logits", "num_query_per_req",
                  "draft_token_confidence_probs"):
         assert f"speculator.{name}" in runner_src, name
-        assert hasattr(PluginSpeculator, name) or name in inspect.getsource(
-            PluginSpeculator.__init__), name
+        assert hasattr(V2Drafter, name) or name in inspect.getsource(
+            V2Drafter.__init__), name
 
 
 def test_v2_runner_samples_through_its_sampler_attributes():

@@ -51,10 +51,21 @@ def test_greedy_output_on_v2_is_plain_decodings(greedy, method):
     assert stats["malformed_drafts"] == 0
 
 
+def test_the_grammar_processor_constrains_output_on_v2(greedy):
+    """The last request of each engine asks our grammar processor for a
+    JSON object; on a random model the output is the grammar's doing."""
+    text = greedy["plain"]["grammar_text"]
+    assert text.lstrip().startswith("{"), text
+    assert greedy["token_recycling"]["grammar_text"] == text
+
+
 def test_drafts_are_verified_and_accepted_on_v2(greedy):
     stats = greedy["token_recycling"]["stats"]
     # Forwards: one per step; drafts accepted make it fewer than tokens.
     assert stats["accepted"] > 0 and stats["steps"] < stats["tokens"]
+    # The device route counts nothing on the host: vLLM's own count shows it.
+    for method in V2_METHODS:
+        assert greedy[method]["vllm_accepted"] > 0, method
 
 
 @pytest.mark.parametrize("method", sorted(V1_METHODS))

@@ -46,6 +46,13 @@ def runner_of(llm) -> str:
     return "v2" if module.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.")) else "v1"
 
 
+def accepted_by_vllm(llm) -> int:
+    """vLLM's own count of accepted draft tokens (its spec-decode metrics,
+    which the scheduler keeps for either runner)."""
+    return int(sum(m.value for m in llm.get_metrics()
+                   if m.name == "vllm:spec_decode_num_accepted_tokens"))
+
+
 def tiny_prompts() -> list[list[int]]:
     # Token ids (no tokenizer needed): a repeating pattern the tiny model's
     # output follows in runs (drafts accepted) and noise.
@@ -70,6 +77,11 @@ def greedy(tmp: str) -> dict:
     processed = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True,
                                logit_bias={13206: -100.0, 34: 2.0}, min_tokens=6,
                                min_p=0.05)
+    # Our grammar processor (vLLM loads it from its entry point) through
+    # V2's own processor interface, on verified rows too.
+    grammar = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, extra_args={
+        "grammar": {"json_schema": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]}}})
     out: dict = {}
     methods = {"plain": None, **V2_METHODS, **V1_METHODS}
     for name, spec in methods.items():
@@ -81,11 +93,13 @@ def greedy(tmp: str) -> dict:
             # Plain decoding refuses the per-request options (it has no drafts
             # to cap); its output for that prompt is the same either way.
             last = capped if spec is not None else params
-            results = llm.generate(prompts + prompts[:2],
-                                   [params] * len(prompts) + [last, processed],
+            results = llm.generate(prompts + prompts[:3],
+                                   [params] * len(prompts) + [last, processed, grammar],
                                    use_tqdm=False)
             out[name] = {"runner": runner_of(llm),
                          "tokens": [list(r.outputs[0].token_ids) for r in results],
+                         "grammar_text": results[-1].outputs[0].text,
+                         "vllm_accepted": accepted_by_vllm(llm) if spec else 0,
                          "stats": engine_stats(llm) if spec else {}}
         finally:
             shutdown_all([llm])

@@ -7,6 +7,7 @@ tests/test_bridge_pins.py that fails loudly when vLLM's shape changes.
 - ``patches``: every vLLM internal we replace, add or read, in one list;
 - ``config``: start-up (our method names, option validation, refusals);
 - ``runner``: the V1 model runner's step, for our proposers only;
+- ``v2``: Model Runner V2's drafter, taps and runner gate;
 - ``step``: the StepContext built from the runner's arrays (no patching);
 - ``target_layers``: the target's partial forwards for self-drafting proposers;
 - ``state``: the one typed object we keep on a runner;

@@ -19,45 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from vllm_plugins.bridge.state import attach
-from vllm_plugins.bridge.v2.taps import tap_samplers
+from vllm_plugins.bridge.v2.drafter_base import V2Drafter
 from vllm_plugins.drafter import DeviceStep
 
 
-class DeviceSpeculator:
-    """Made a ``BaseSpeculator`` subclass by ``speculator.make_speculator``."""
-
-    supports_mm_inputs = False
-    num_query_per_req = 1
-    num_extra_query_per_req = 0
+class DeviceSpeculator(V2Drafter):
+    """The device route: the proposer's ``device_drafter()``."""
 
     def __init__(self, vllm_config, device, req_states, proposer):
-        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
-        self.device = device
-        self.req_states = req_states
-        self.proposer = proposer  # the Drafter: options, load_model, metrics
+        super().__init__(vllm_config, device, req_states, proposer)
         self.drafter = proposer.device_drafter()
-        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        self.draft_logits = None  # deterministic drafts
-        self.draft_token_confidence_probs = torch.zeros(max_num_reqs, self.k, device=device)
-        self.pcp_manager = None
-        self.state = None
         self._seeded: dict[int, str] = {}  # state row -> the request seeded there
         self._top1: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        pass
-
-    def capture(self) -> None:
-        pass
-
-    def attach(self, runner) -> None:
-        tap_samplers(runner, self)
-        self.state = attach(runner, self.proposer)
-        self.proposer.load_model(runner.model)  # moves the tables to the target's device
-
-    def observe_params(self, req_index, sampling_params) -> None:
-        pass
 
     def observe_logits(self, logits: torch.Tensor, input_batch) -> None:
         """The target's top-1 and its log-probability at every row, on the
@@ -67,16 +40,12 @@ class DeviceSpeculator:
             best, ids = x.max(dim=-1)
             self._top1 = (ids, best - torch.logsumexp(x, dim=-1))
 
-    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
-                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
-                mm_inputs=None, is_profile: bool = False,
-                num_speculative_tokens: int | None = None) -> torch.Tensor:
-        num_reqs = int(input_batch.num_reqs)
+    def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
+              last_sampled: torch.Tensor) -> torch.Tensor:
         top1, self._top1 = self._top1, None
-        if dummy_run or is_profile or top1 is None:
-            return torch.zeros(num_reqs, self.k, dtype=torch.int64, device=self.device)
+        if top1 is None:
+            return torch.zeros(num_reqs, self.num_speculative_steps, dtype=torch.int64,
+                               device=self.device)
         self.state.counters.steps += 1
         slots = input_batch.idx_mapping[:num_reqs]
         step = DeviceStep(
@@ -86,7 +55,7 @@ class DeviceSpeculator:
             top1_ids=top1[0], top1_logprobs=top1[1],
             num_sampled=num_sampled[:num_reqs],
             last_tokens=last_sampled[slots, 0].to(torch.int64),
-            num_tokens=self.k)
+            num_tokens=self.num_speculative_steps)
         self._add_new_requests(step, input_batch, num_reqs)
         return self.drafter.device_step(step)
 

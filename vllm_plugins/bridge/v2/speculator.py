@@ -22,10 +22,9 @@ import numpy as np
 import torch
 
 from vllm_plugins.bridge import ranks
-from vllm_plugins.bridge.state import RunnerState, attach
 from vllm_plugins.bridge.v2.context import (RequestBook, StepTimes, VerifiedTopk,
                                             build_context)
-from vllm_plugins.bridge.v2.taps import tap_samplers
+from vllm_plugins.bridge.v2.drafter_base import V2Drafter
 from vllm_plugins.topk import topk_logprobs
 
 logger = logging.getLogger("vllm_plugins")
@@ -37,53 +36,19 @@ def _base():
     return BaseSpeculator
 
 
-class PluginSpeculator:
-    """Built by ``make_speculator`` as a subclass of vLLM's BaseSpeculator
-    (imported lazily: the bridge loads before V2's modules are needed)."""
-
-    supports_mm_inputs = False
-    num_query_per_req = 1
-    num_extra_query_per_req = 0
+class PluginSpeculator(V2Drafter):
+    """The host route: our proposer's ``step(StepContext)``."""
 
     def __init__(self, vllm_config, device, req_states, proposer):
-        spec = vllm_config.speculative_config
-        self.proposer = proposer
-        self.device = device
-        self.req_states = req_states
-        self.num_speculative_steps = int(spec.num_speculative_tokens)
-        # V2's rejection sampler reads this next step: None verifies every
-        # draft as deterministic (one-hot); a step whose drafts carry
-        # probabilities (STAND's) sets it to ``_draft_logit_rows``.
-        self.draft_logits = None
+        super().__init__(vllm_config, device, req_states, proposer)
+        # Set to ``_draft_logit_rows`` for the next step where the step's
+        # drafts carry probabilities (STAND's).
         self._draft_logit_rows: torch.Tensor | None = None
-        max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-        self.max_num_reqs = max_num_reqs
-        # Read by V2's adaptive verification only (off for our methods).
-        self.draft_token_confidence_probs = torch.zeros(
-            max_num_reqs, self.num_speculative_steps, dtype=torch.float32, device=device)
         self.book = RequestBook()
-        # Our one state object on the runner (``attach``): counters, digests.
-        self.state = RunnerState(proposer=proposer)
-        self.pcp_manager = None
         self._topk: VerifiedTopk | None = None
         self._topk_seconds = 0.0
         self._propose_end: float | None = None
         self._propose_seconds: float | None = None
-
-    # ------------------------------------------------------------ V2's calls
-    def init_cudagraph_manager(self, cudagraph_mode) -> None:
-        """Nothing to capture: the host route drafts outside any graph."""
-
-    def capture(self) -> None:
-        pass
-
-    def attach(self, runner) -> None:
-        """After V2's ``load_model``: our taps on its samplers, the target
-        handed to the proposer as V1's custom_class route does."""
-        tap_samplers(runner, self)
-        self.state = attach(runner, self.proposer)
-        self.proposer.load_model(runner.model)
-        ranks.join_tensor_parallel()
 
     def observe_logits(self, logits: torch.Tensor, input_batch) -> None:
         k = self.proposer.topk_wanted()
@@ -100,16 +65,11 @@ class PluginSpeculator:
     def observe_params(self, req_index: int, sampling_params) -> None:
         self.book.params_by_index[int(req_index)] = sampling_params
 
-    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
-                aux_hidden_states, num_sampled, num_rejected, last_sampled,
-                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
-                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
-                mm_inputs=None, is_profile: bool = False,
-                num_speculative_tokens: int | None = None) -> torch.Tensor:
-        num_reqs = int(input_batch.num_reqs)
+    def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
+              last_sampled: torch.Tensor) -> torch.Tensor:
         k = self.num_speculative_steps
-        if dummy_run or is_profile:
-            return torch.zeros(num_reqs, k, dtype=torch.int64, device=self.device)
+        # The step's seconds: from our last proposal to this one (V2's
+        # scheduling and output handling included: V1 reports those apart).
         now = time.perf_counter()
         step_seconds = None if self._propose_end is None else now - self._propose_end
         step_seconds, propose_seconds, topk_seconds = ranks.first_rank_values(
@@ -119,7 +79,7 @@ class PluginSpeculator:
                             self.proposer.max_draft,
                             StepTimes(step_seconds, propose_seconds, topk_seconds))
         self.state.counters.count([list(r.accepted) for r in ctx.requests],
-                            [r.num_draft for r in ctx.requests])
+                                  [r.num_draft for r in ctx.requests])
         start = time.perf_counter()
         drafts = self.proposer.step(ctx)
         self._propose_seconds = time.perf_counter() - start
@@ -245,7 +205,7 @@ def wrap_load_model(original):
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         speculator = getattr(self, "speculator", None)
-        if type(speculator) in (_SUBCLASS, _DEVICE_SUBCLASS):
+        if isinstance(speculator, V2Drafter):
             speculator.attach(self)
         return out
 

@@ -1,0 +1,73 @@
+"""What V2's runner reads off any drafter, shared by our two V2 drafters
+(the host route, ``speculator.PluginSpeculator``, and the device route,
+``device_speculator.DeviceSpeculator``). Each is made a subclass of vLLM's
+``BaseSpeculator`` by ``speculator.make_speculator``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_plugins.bridge import ranks
+from vllm_plugins.bridge.state import RunnerState, attach
+from vllm_plugins.bridge.v2.taps import tap_samplers
+
+
+class V2Drafter:
+    supports_mm_inputs = False
+    num_query_per_req = 1
+    num_extra_query_per_req = 0
+
+    def __init__(self, vllm_config, device, req_states, proposer):
+        self.proposer = proposer  # our Drafter: options, load_model, metrics
+        self.device = device
+        self.req_states = req_states
+        self.num_speculative_steps = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        # V2's rejection sampler reads this each step: None verifies every
+        # draft as deterministic (one-hot).
+        self.draft_logits = None
+        # Read by V2's adaptive verification only (off for our methods).
+        self.draft_token_confidence_probs = torch.zeros(
+            self.max_num_reqs, self.num_speculative_steps, dtype=torch.float32, device=device)
+        self.pcp_manager = None
+        # Our one state object on the runner (``attach``): counters, digests.
+        self.state = RunnerState(proposer=proposer)
+
+    def init_cudagraph_manager(self, cudagraph_mode) -> None:
+        """Nothing of ours to capture."""
+
+    def capture(self) -> None:
+        pass
+
+    def attach(self, runner) -> None:
+        """After V2's ``load_model``: our taps on its samplers, our state on
+        the runner, the target handed to the proposer (as V1's custom_class
+        route does)."""
+        tap_samplers(runner, self)
+        self.state = attach(runner, self.proposer)
+        self.proposer.load_model(runner.model)
+        ranks.join_tensor_parallel()
+
+    def observe_params(self, req_index: int, sampling_params) -> None:
+        """A new request's parameters (the sampler tap)."""
+
+    def observe_logits(self, logits: torch.Tensor, input_batch) -> None:
+        """The step's verified rows' logits (the sampler tap)."""
+
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dp_sync_state=None,
+                dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
+                mm_inputs=None, is_profile: bool = False,
+                num_speculative_tokens: int | None = None) -> torch.Tensor:
+        """``[num_reqs, k]`` int64 drafts, every entry a token id."""
+        num_reqs = int(input_batch.num_reqs)
+        if dummy_run or is_profile:
+            return torch.zeros(num_reqs, self.num_speculative_steps, dtype=torch.int64,
+                               device=self.device)
+        return self.draft(input_batch, num_reqs, num_sampled, last_sampled)
+
+    def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
+              last_sampled: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
