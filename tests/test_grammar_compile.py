@@ -281,16 +281,16 @@ def test_the_report_rides_the_runner_output_to_another_process():
     pickled to the engine core: our attribute goes with it."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-    from vllm_plugins.bridge.grammar_hold import ERRORS_ATTR, _attach
+    from vllm_plugins.bridge.grammar_hold import ERRORS_ATTR, attach_to_output
     from vllm_plugins.bridge.grammar_weights import WEIGHTS_ATTR
 
     out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0},
                             sampled_token_ids=[[3]])
-    _attach(out, {ERRORS_ATTR: {"a": "why"}, WEIGHTS_ATTR: {"a": [-0.5]}})
+    attach_to_output(out, {ERRORS_ATTR: {"a": "why"}, WEIGHTS_ATTR: {"a": [-0.5]}})
     back = pickle.loads(pickle.dumps(out))
     assert getattr(back, ERRORS_ATTR) == {"a": "why"}
     assert getattr(back, WEIGHTS_ATTR) == {"a": [-0.5]}
-    _attach(EMPTY_MODEL_RUNNER_OUTPUT, {ERRORS_ATTR: {"a": "why"}})
+    attach_to_output(EMPTY_MODEL_RUNNER_OUTPUT, {ERRORS_ATTR: {"a": "why"}})
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, ERRORS_ATTR)
 
     class Async:
@@ -298,7 +298,7 @@ def test_the_report_rides_the_runner_output_to_another_process():
             return ModelRunnerOutput(req_ids=["b"], req_id_to_index={"b": 0})
 
     later = Async()
-    _attach(later, {ERRORS_ATTR: {"b": "why"}, WEIGHTS_ATTR: {}})
+    attach_to_output(later, {ERRORS_ATTR: {"b": "why"}, WEIGHTS_ATTR: {}})
     assert getattr(later.get_output(), ERRORS_ATTR) == {"b": "why"}
     assert not hasattr(later.get_output(), WEIGHTS_ATTR)
 
