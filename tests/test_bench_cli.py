@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_plugins.bench.__main__ import SUBCOMMANDS, load, main
+from vllm_plugins.bench.__main__ import RUNNERS, SUBCOMMANDS, load, main
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -117,6 +117,9 @@ def test_every_doc_command_parses():
     commands = all_doc_commands()
     assert len(commands) >= len(SUBCOMMANDS)
     for doc, words in commands:
+        if words[:1] == ["--runner"]:  # the global option, before the subcommand
+            assert words[1] in RUNNERS, (doc, words)
+            words = words[2:]
         assert words and words[0] in SUBCOMMANDS, (doc, words)
         try:
             load(words[0]).parse_args(words[1:])
