@@ -35,9 +35,6 @@ class DeviceRecyclingDrafter(DeviceDrafter):
         self.tables = tables
         self.seed_from_prompt = seed_from_prompt
 
-    def to(self, device) -> None:
-        self.tables.to(device)
-
     def device_step(self, step: DeviceStep) -> torch.Tensor:
         t = self.tables
         if step.new_slots is not None:

@@ -488,10 +488,9 @@ def test_samples_of_one_request_share_the_bridges_group_id():
     for i in range(4):
         child_id, child_params = parent.get_child_info(i)
         assert child_params.n == 1
-        groups.add(_group_of(child_id, SimpleNamespace(sampling_params=child_params)))
+        groups.add(_group_of(child_id, child_params))
     assert groups == {parent_id}
-    alone = SimpleNamespace(sampling_params=SamplingParams(n=1))
-    assert _group_of("b7-3-9f8e7d6c", alone) == "b7-3-9f8e7d6c"
+    assert _group_of("b7-3-9f8e7d6c", SamplingParams(n=1)) == "b7-3-9f8e7d6c"
 
 
 def test_calibration_learns_acceptance_per_kind_and_shortens_bad_paths():

@@ -110,7 +110,3 @@ class DeviceDrafter(ABC):
     def device_step(self, step: DeviceStep) -> Any:
         """Learn the step's verified rows and draft: ``[R, num_tokens]``
         int64, every entry a token id (V2 verifies k tokens a request)."""
-
-    @abstractmethod
-    def to(self, device) -> None:
-        """Moves the drafter's tensors to ``device`` (start-up only)."""

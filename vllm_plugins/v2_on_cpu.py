@@ -4,23 +4,20 @@ vLLM's CPU build enables Triton, and with it Model Runner V2, only when
 Triton reports a ``cpu`` backend (``vllm.triton_utils.importing``); PyPI's
 Triton has none. ``enable()`` registers a stand-in ``cpu`` entry in
 ``triton.backends.backends`` and sets ``TRITON_INTERPRET=1``, so V2's Triton
-kernels run in Triton's interpreter on CPU tensors: exact, and slow (about
-17x the V1 runner at batch 8). Both must happen before Triton or vLLM is
+kernels run in Triton's interpreter on CPU tensors: exact, and many times
+slower than the V1 runner. Both must happen before Triton or vLLM is
 imported, so ``enable()`` refuses to run after either.
 
-Nothing in the installed package calls this: a test fixture, a subprocess
-that sets ``TRITON_CPU_STAND_IN=1`` before its first import
-(``enable_from_env``), or ``python -m vllm_plugins.bench ... --runner v2``
-turns it on.
+Nothing in the installed package calls this: tests/v2_engines.py (a
+process of its own) and ``python -m vllm_plugins.bench --runner v2 ...``
+turn it on. Engines vLLM starts in processes of their own import Triton
+anew, without the stand-in, so V2 engines here run in the calling process.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-
-# Not VLLM_-prefixed: vLLM warns about every VLLM_ variable it does not know.
-ENV = "TRITON_CPU_STAND_IN"
 
 
 class _StandInDriver:
@@ -41,7 +38,6 @@ def enable() -> None:
         raise RuntimeError("Model Runner V2 on CPU must be enabled before Triton is "
                            "imported (Triton reads TRITON_INTERPRET once)")
     os.environ["TRITON_INTERPRET"] = "1"
-    os.environ[ENV] = "1"  # processes started from here (servers, ranks) follow
     from triton.backends import Backend, backends
     from triton.backends.compiler import BaseBackend
 
@@ -62,27 +58,3 @@ def _interpretable_libdevice() -> None:
 
     libdevice.log1p = log1p
 
-
-def enable_from_env() -> bool:
-    """``enable()`` where ``VLLM_PLUGINS_V2_ON_CPU=1``; whether it did."""
-    if os.environ.get(ENV) != "1":
-        return False
-    enable()
-    return True
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m vllm_plugins.v2_on_cpu -m MODULE ARGS...``: runs MODULE
-    (a server, say) as ``python -m`` would, with V2 enabled first."""
-    import runpy
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2 or args[0] != "-m":
-        raise SystemExit("usage: python -m vllm_plugins.v2_on_cpu -m MODULE [ARGS...]")
-    enable()
-    sys.argv = [args[1], *args[2:]]
-    runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-
-
-if __name__ == "__main__":
-    main()

@@ -57,11 +57,10 @@ def take_finished(state: RunnerState, scheduler_output) -> set[str]:
     return finished
 
 
-def group_of(req_id: str, state) -> str:
+def group_of(req_id: str, sampling_params) -> str:
     """Samples of one prompt share a group: vLLM names n>1 children 'i_parent'."""
     head, sep, tail = req_id.partition("_")
-    if sep and head.isdigit() and getattr(getattr(state, "sampling_params", None),
-                                          "n", 1) == 1 and tail:
+    if sep and head.isdigit() and getattr(sampling_params, "n", 1) == 1 and tail:
         return tail
     return req_id
 
@@ -127,7 +126,7 @@ def build_context(runner, state: RunnerState, scheduler_output,
             topk_logprobs=lps,
             temperature=temperature,
             sampling_params=params,
-            group_id=group_of(req_id, req_state),
+            group_id=group_of(req_id, params),
             speculation=parsed[req_id],
         ))
     gap, state.gap_seconds = state.gap_seconds, None

@@ -104,7 +104,7 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
             topk_logprobs=lps[rows] if lps is not None and emitted else None,
             temperature=float(getattr(params, "temperature", 0.0) or 0.0),
             sampling_params=params,
-            group_id=group_of(req_id, _ParamsHolder(params)),
+            group_id=group_of(req_id, params),
             speculation=book.speculation[req_id],
         ))
     return StepContext(
@@ -116,10 +116,3 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
         last_propose_seconds=times.propose_seconds,
         last_topk_seconds=times.topk_seconds,
     )
-
-
-class _ParamsHolder:
-    """``group_of`` reads a request state's ``sampling_params``."""
-
-    def __init__(self, params):
-        self.sampling_params = params
