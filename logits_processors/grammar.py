@@ -70,6 +70,7 @@ from .grammar_engine import (  # noqa: F401  (the processor's public names)
 from .grammar_state import FAILURE_TEXT, GrammarRequest, apply_masks
 from .grammar_verification import DraftedRows
 from .log_once import LogOnce
+from vllm_plugins.counted import Counted
 from vllm_plugins.grammar.runtime import GrammarRuntime, runtime_for
 from vllm_plugins.grammar.spec import (
     GRAMMAR_KEY,
@@ -91,7 +92,8 @@ logger = init_logger(__name__)
 __all__ = ["GrammarLogitsProcessor", "GrammarSpecError"]
 
 
-class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor):
+class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2LogitsProcessor,
+                             Counted):
     """Constrain a request's output to a JSON Schema, regex or Lark grammar."""
 
     # ------------------------------------------------------------------ setup
@@ -171,6 +173,15 @@ class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2Logit
 
     def is_argmax_invariant(self) -> bool:
         return False
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """``Counted``: AWRS's work, for the server's ``/metrics``. An
+        evaluation is a single-token grammar check, or a vocabulary entry of
+        a whole mask a row fell back to (the mask mode's cost is the
+        vocabulary size a token)."""
+        s = self.awrs_stats
+        return {"awrs_tokens": {"": s.rows}, "awrs_evaluations": {"": s.checks + s.mask_tokens},
+                "awrs_masks": {"": s.masks}, "awrs_check_calls": {"": s.check_calls}}
 
     def take_failures(self) -> dict[int, str]:
         """Batch index -> reason, for each V1 request whose grammar failed in

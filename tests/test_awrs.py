@@ -206,6 +206,13 @@ def test_greedy_equals_mask_mode_and_checks_fewer_tokens(proc, grammar):
     s = proc.awrs_stats
     assert s.rows > 0 and s.masks > 0  # the fallback ran too
     assert s.checks + s.mask_tokens < s.rows * V
+    # What /metrics shows of it (every name declared there).
+    from vllm_plugins.bridge.counters import BY_NAME
+
+    counters = proc.counters()
+    assert set(counters) <= set(BY_NAME)
+    assert counters["awrs_evaluations"] == {"": s.checks + s.mask_tokens}
+    assert counters["awrs_tokens"] == {"": s.rows}
 
 
 @pytest.mark.parametrize("kw", [{}, {"top_k": 3}, {"top_p": 0.8}, {"min_p": 0.1}],

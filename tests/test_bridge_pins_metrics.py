@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_worker_sample_tokens_returns_the_runners_output(installed):
     # The report: what grew since the last one, on a ModelRunnerOutput.
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-    state = RunnerState()  # no proposer: collect reads the step counters alone
+    state = RunnerState(proposer=SimpleNamespace(counters=dict))  # step counters alone
     state.counters.steps = 3
     out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
     report(state, out)

@@ -9,7 +9,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from vllm_plugins.bridge.counters import METRICS, PREFIX, add, collect, growth
+from types import SimpleNamespace
+
+from vllm_plugins.bridge.counters import (
+    METRICS, PREFIX, add, collect, counted_processors, growth,
+)
 from vllm_plugins.bridge.state import RunnerState
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
@@ -82,3 +86,32 @@ def test_the_scheduler_adds_grammar_failures_to_the_steps_stats():
     to_scheduler_stats(outputs, SimpleNamespace(), grammar_failures=0)  # nothing grew
     to_scheduler_stats(outputs, worker)
     assert getattr(stats, STATS_FIELD)["steps"] == {"": 2}
+
+
+class Processor:
+    """A logits processor that declares its counters (``Counted``)."""
+
+    def __init__(self, evaluations):
+        self.evaluations = evaluations
+
+    def counters(self):
+        return {"awrs_evaluations": {"": self.evaluations}}
+
+
+def test_logits_processors_counters_travel_without_a_proposer():
+    state = RunnerState()  # a runner with only our grammar processor
+    state.counters.steps = 5  # not ours to report: nothing of ours drafts
+    assert collect(state, [Processor(7), Processor(2)]) == {"awrs_evaluations": {"": 9}}
+    drafting = RunnerState(proposer=Proposer())
+    both = collect(drafting, [Processor(3)])
+    assert both["awrs_evaluations"] == {"": 3} and both["proposer_errors"] == {"": 1}
+
+
+def test_counted_processors_are_found_on_either_runner():
+    ours, theirs = Processor(1), object()
+    v1 = SimpleNamespace(input_batch=SimpleNamespace(
+        logitsprocs=SimpleNamespace(all=[theirs, ours])))
+    v2 = SimpleNamespace(sampler=SimpleNamespace(logits_processors=[ours, theirs]))
+    assert counted_processors(v1) == [ours]
+    assert counted_processors(v2) == [ours]
+    assert counted_processors(SimpleNamespace()) == []

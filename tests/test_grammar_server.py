@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 
-from tests.serving import post as _post, running_server
+from tests.serving import post as _post, running_server, scrape
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
@@ -74,7 +74,10 @@ def test_server_grammar_via_vllm_xargs(server):
     assert status == 200, body
     assert body["choices"][0]["text"] in (" yes", " no")
 
-    # AWRS with weights: the completion carries the output's summed log weight.
+    # AWRS with weights: the completion carries the output's summed log
+    # weight, and its work shows on /metrics (an engine without our drafting:
+    # the grammar processor's counters alone).
+    before = scrape(base, "vllm_plugins:awrs_")
     status, body = _post(base + "/v1/completions", {
         "model": model, "prompt": "Is the sky blue? Answer:", "max_tokens": 5,
         "temperature": 1.0, "vllm_xargs": {"grammar": json.dumps(
@@ -84,6 +87,17 @@ def test_server_grammar_via_vllm_xargs(server):
     assert body["choices"][0]["text"] in (" yes", " no")
     weight = body["kv_transfer_params"]["vllm_plugins"]
     assert weight["awrs_log_weight"] <= 1e-6 and weight["awrs_tokens"] >= 2
+
+    def total(samples, name):
+        return sum(v for (n, _), v in samples.items() if n == f"vllm_plugins:{name}_total")
+
+    deadline = time.time() + 30  # stats reach the front end with a later step's
+    while (after := scrape(base, "vllm_plugins:awrs_")) == before and time.time() < deadline:
+        time.sleep(0.5)
+    # Rows AWRS decided (a grammar-forced EOS is weighed but not drawn).
+    assert 0 < total(after, "awrs_tokens") - total(before, "awrs_tokens") <= weight["awrs_tokens"]
+    assert total(after, "awrs_evaluations") > total(before, "awrs_evaluations")
+    assert not any(n.startswith("vllm_plugins:steps") for n, _ in after)  # nothing drafts
 
 
 # Nested deeper than Python's json reads (as text: json.dumps would refuse it

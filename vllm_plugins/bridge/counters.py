@@ -20,16 +20,20 @@ step's stats adds that step's growth, so counters summed over API servers
 and over data-parallel engines are exact. The output rank's counters are
 read: tensor-parallel ranks draft alike (``bridge/ranks.py``).
 
-``collect`` takes a ``RunnerState`` and nothing of the runner, so any
-adapter that keeps one (the V1 runner's, another runner's) feeds the same
-path through ``report``.
+``collect`` takes a ``RunnerState`` and the runner's ``Counted`` logits
+processors (``vllm_plugins/counted.py``), nothing else of the runner, so
+any adapter that keeps one (the V1 runner's, V2's) feeds the same path
+through ``report``. An engine that runs only our grammar processor reports
+its counters too (a state without a proposer keeps the last report).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
+
+from vllm_plugins.counted import Counted
 
 #: ModelRunnerOutput attribute: {metric: {label value: increment}}.
 OUTPUT_ATTR = "vllm_plugins_counters"
@@ -81,27 +85,46 @@ METRICS: tuple[Metric, ...] = (
     Metric("grammar_unusable_requests",
            "Structured-output requests whose grammar grammar_forced could not use "
            "(the inner method drafts for them)."),
+    Metric("awrs_tokens", 'Tokens the grammar processor decided with "sampling": "awrs".'),
+    Metric("awrs_evaluations",
+           "Grammar evaluations AWRS made: single-token checks, and a vocabulary's "
+           "worth for each whole mask it fell back to."),
+    Metric("awrs_masks", "AWRS rows that fell back to the whole mask."),
+    Metric("awrs_check_calls", "Calls of requests' token checks (AWRS)."),
 )
 BY_NAME = {m.name: m for m in METRICS}
 
 Snapshot = dict[str, dict[str, int]]
 
 
-def collect(state: Any) -> Snapshot:
-    """Totals of one ``RunnerState``: its step counters and its proposer's
-    ``counters()`` ({metric: {label value: total}}, "" when unlabelled)."""
-    c = state.counters
-    out: Snapshot = {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
-                     "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
-                     "kv_moved_tokens": {"": c.kv_moved}}
+def collect(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
+    """Totals of one ``RunnerState`` (its step counters and its proposer's,
+    where it has one) and of the runner's ``Counted`` logits processors."""
+    out: Snapshot = {}
     proposer = state.proposer
     if proposer is not None:
-        for name, values in proposer.counters().items():
+        c = state.counters
+        out = {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
+               "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
+               "kv_moved_tokens": {"": c.kv_moved}}
+    for counted in ([proposer] if proposer is not None else []) + list(processors):
+        for name, values in counted.counters().items():
             if name in BY_NAME:
                 merged = out.setdefault(name, {})
                 for label, value in values.items():
                     merged[label] = merged.get(label, 0) + int(value)
     return out
+
+
+def counted_processors(runner: Any) -> list[Counted]:
+    """The runner's logits processors that keep counters: V1's in its input
+    batch (``InputBatch.logitsprocs.all``), V2's in its sampler
+    (``Sampler.logits_processors``)."""
+    batch = getattr(runner, "input_batch", None)
+    procs = getattr(getattr(batch, "logitsprocs", None), "all", None)
+    if procs is None:
+        procs = getattr(getattr(runner, "sampler", None), "logits_processors", None) or ()
+    return [p for p in procs if isinstance(p, Counted)]
 
 
 def growth(now: Snapshot, before: Snapshot) -> Snapshot:
@@ -124,14 +147,15 @@ def add(total: Snapshot, more: Snapshot) -> Snapshot:
     return total
 
 
-def report(state: Any, output: Any) -> None:
-    """Puts what ``state``'s counters grew since the last report on the
-    step's ``output`` (a ModelRunnerOutput, or an async one)."""
+def report(state: Any, output: Any, processors: Iterable[Counted] = ()) -> None:
+    """Puts what ``state``'s counters (and ``processors``') grew since the
+    last report on the step's ``output`` (a ModelRunnerOutput, or an async
+    one)."""
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT:
         return  # nothing reaches the scheduler: report at a later step
-    now = collect(state)
+    now = collect(state, processors)
     grown = growth(now, state.counters_reported)
     if not grown:
         return
@@ -149,11 +173,15 @@ def wrap_worker_sample_tokens(original):
     @functools.wraps(original)
     def sample_tokens(self, grammar_output):
         out = original(self, grammar_output)
-        from vllm_plugins.bridge.state import state_of
+        from vllm_plugins.bridge.state import attach, state_of
 
-        state = state_of(self.model_runner)
-        if state is not None and state.proposer is not None:
-            report(state, out)
+        runner = self.model_runner
+        state = state_of(runner)
+        processors = counted_processors(runner)
+        if processors or (state is not None and state.proposer is not None):
+            # A runner with only our logits processors gets a state to keep
+            # its last report in (a state without a proposer drafts nothing).
+            report(state or attach(runner), out, processors)
         return out
 
     return sample_tokens
