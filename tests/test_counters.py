@@ -15,6 +15,7 @@ from vllm_plugins.bridge.counters import (
     METRICS, PREFIX, add, collect, counted_processors, growth,
 )
 from vllm_plugins.bridge.state import RunnerState
+from vllm_plugins.counted import Counted
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
@@ -88,8 +89,8 @@ def test_the_scheduler_adds_grammar_failures_to_the_steps_stats():
     assert getattr(stats, STATS_FIELD)["steps"] == {"": 2}
 
 
-class Processor:
-    """A logits processor that declares its counters (``Counted``)."""
+class Processor(Counted):
+    """A logits processor that declares its counters."""
 
     def __init__(self, evaluations):
         self.evaluations = evaluations

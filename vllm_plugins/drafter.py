@@ -24,10 +24,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from vllm_plugins.counted import Counted
 from vllm_plugins.step_context import Drafts, StepContext
 
 
-class Drafter(ABC):
+class Drafter(Counted):
     """One of our speculative methods, as a runner adapter sees it."""
 
     # Drafts by running the target's own layers: the adapter hands
@@ -64,9 +65,7 @@ class Drafter(ABC):
     def metrics(self) -> dict:
         """A full report, for ``collective_rpc`` readers."""
 
-    @abstractmethod
-    def counters(self) -> dict[str, dict[str, int]]:
-        """Totals that only grow, for ``/metrics``."""
+    # counters() (``Counted``): totals that only grow, for ``/metrics``.
 
     def device_drafter(self) -> DeviceDrafter | None:
         """This drafter's device route, where it has one."""
