@@ -63,6 +63,10 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="inductor, not eager")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts per category, 128 tokens: a short demo")
+    p.add_argument("--host-time", action="store_true",
+                   help="engines in this process; per method our host CPU ms a step "
+                        "(everything of ours but the forward, the top-k stash apart) "
+                        "by host-profile's timers, and h: ours over a plain step")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--verbose", action="store_true",
                    help="keep vLLM's logging (default: errors only)")
@@ -82,12 +86,13 @@ def parse_args(argv=None):
 
 
 def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
-                    batch_times=None, in_flight=None):
+                    batch_times=None, in_flight=None, host=None):
     """One batch (or queue unit, with ``in_flight``) on every engine,
     rotating which goes first.
 
     ``runs`` are labels; RERUN runs on the "none" engine again. Per-batch
     seconds go to ``batch_times[label]`` for the paired noise intervals.
+    ``host`` (a ``HostTime``) times each run's components.
     """
     from vllm_plugins.bench.data import render
     from vllm_plugins.bench.engines import run_batch
@@ -104,7 +109,11 @@ def run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
             reset = getattr(engine, "reset_prefix_cache", None)
             if reset is not None:
                 reset()
-        results[m] = run_batch(engine, prompts, params, in_flight)
+        if host is None:
+            results[m] = run_batch(engine, prompts, params, in_flight)
+        else:
+            with host.timing(m):
+                results[m] = run_batch(engine, prompts, params, in_flight)
     ref = results["none"][0] if "none" in results else None
     for m in runs:
         res, secs = results[m]
@@ -139,6 +148,11 @@ def _host_load() -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.host_time:   # the engines' steps on this process's clock
+        import os
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "1")
     if args.quick:
         args.per_category = args.per_category or [2]
         args.max_tokens = min(args.max_tokens, 128)
@@ -156,6 +170,11 @@ def main(argv=None) -> int:
                                            controller_markdown, markdown, ratio_ci,
                                            title, tree_markdown, write)
 
+    host = None
+    if args.host_time:
+        from vllm_plugins.bench.host_profile import HostTime
+
+        host = HostTime()   # before any engine: a missing timed function stops here
     model = resolve_model(args.model)
     methods, configs = _resolve_methods(args)
     sizes = args.batch_sizes
@@ -187,7 +206,7 @@ def main(argv=None) -> int:
         try:
             for bi, batch in enumerate(tqdm(batches, desc=f"batch {size}")):
                 run_interleaved(engines, runs, batch, bi, tok, params, tally, greedy,
-                                times, in_flight)
+                                times, in_flight, host)
         except Exception as e:  # report what was measured before the failure
             print(f"benchmark stopped early: {type(e).__name__}: {e}")
             print(markdown(tally.table(runs, list(dict.fromkeys(
@@ -203,11 +222,13 @@ def main(argv=None) -> int:
             if args.mat_only:
                 r["mismatches"] = None   # nothing to compare with
         all_rows += rows
+        spent = host.take() if host is not None else {}
         for m in runs:
             if "none" in times and m != "none":
                 point, lo, hi = ratio_ci(times["none"], times[m])
                 summary.append({"batch": size, "method": m, "speedup": point,
-                                "lo": lo, "hi": hi, "batches": len(times[m])})
+                                "lo": lo, "hi": hi, "batches": len(times[m]),
+                                **host_columns(spent, m)})
         for m in methods:
             now = (stats[m].get("proposer") or {}).get("draft_length")
             if now:
@@ -222,12 +243,24 @@ def main(argv=None) -> int:
                         # per method, each unit's seconds in run order: any
                         # two methods' paired ratio (report.ratio_ci)
                         "unit_seconds": times})
-    if len(sizes) > 1 or args.aa:
+    if len(sizes) > 1 or args.aa or args.host_time:
         _write_summary(args, model, all_rows, summary, controllers, loads)
     elif controllers:
         print(controller_markdown(controllers))
         print(tree_markdown(controllers))
     return 0
+
+
+def host_columns(spent: dict, method: str) -> dict:
+    """A method's host figures (``HostTime.take``): our CPU ms a step but the
+    top-k stash, the stash's, and h: all of ours over the plain engine's
+    step (vLLM's CPU time a step without speculation)."""
+    if method not in spent or "none" not in spent:
+        return {}
+    mine = spent[method]
+    plain = spent["none"]["plain_ms"]
+    return {"ours_ms": mine["ours_ms"] - mine["topk_ms"], "topk_ms": mine["topk_ms"],
+            "h": mine["ours_ms"] / plain if plain > 0 else float("nan")}
 
 
 def _units(questions: list, size: int, queue: int) -> tuple[list[list], int | None]:
@@ -259,15 +292,19 @@ def _write_summary(args, model, rows, summary, controllers, loads) -> None:
                                            title, tree_markdown)
 
     unit = "units" if args.queue > 1 else "batches"
-    lines = [f"| batch | method | MAT | speedup | 95% interval | {unit} |",
-             "|---:|---|---:|---:|---|---:|"]
+    host = args.host_time
+    extra = " ours ms a step | top-k ms a step | h |" if host else ""
+    lines = [f"| batch | method | MAT | speedup | 95% interval | {unit} |" + extra,
+             "|---:|---|---:|---:|---|---:|" + ("---:|---:|---:|" if host else "")]
     mats = {(r["batch"], r["method"]): r["MAT"] for r in rows
             if r["category"] == "overall"}
     for s in summary:
+        cells = (f" {s['ours_ms']:.2f} | {s['topk_ms']:.2f} | {s['h']:.3f} |"
+                 if host else "")
         lines.append(f"| {s['batch']} | {s['method']} | "
                      f"{mats.get((s['batch'], s['method']), float('nan')):.2f} | "
                      f"{s['speedup']:.3f}x | {s['lo']:.3f} .. {s['hi']:.3f} | "
-                     f"{s['batches']} |")
+                     f"{s['batches']} |" + cells)
     table = "\n".join(lines)
     ctl = controller_markdown(controllers) if controllers else ""
     trees = tree_markdown(controllers) if controllers else ""

@@ -26,6 +26,7 @@ before any engine starts, naming it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import inspect
@@ -56,6 +57,7 @@ TREE_ATTENTION = "tree attention rows (in the forward)"
 SUFFIX = "vLLM suffix proposer"
 # Components that are not ours to cut: the target's own work.
 NOT_OURS = (VLLM, TREE_ATTENTION)
+TOPK = "top-k stash"
 
 # The bridge's patches that run in every step (vllm_plugins.bridge.patches):
 # each wrapper's own code is ours, the vLLM function it wraps is vLLM's.
@@ -66,7 +68,7 @@ STEP_PATCHES = ("runner.step_clock", "runner.verified_topk", "runner.propose",
 # (component, "module:Qualname") of each function timed as that component.
 FUNCTIONS = (
     (VLLM, ENGINE_STEP),
-    ("top-k stash", "vllm_plugins.bridge.step:stash_topk"),
+    (TOPK, "vllm_plugins.bridge.step:stash_topk"),
     ("StepContext", "vllm_plugins.bridge.step:build_context"),
     ("drafts out (checks, tree record, probs)", "vllm_plugins.bridge.step:record_trees"),
     ("drafts out (checks, tree record, probs)", "vllm_plugins.bridge.step:set_draft_probs"),
@@ -262,6 +264,49 @@ def original_cell(wrapper):
                 todo.append(value)
     raise RuntimeError(f"host-profile: cannot find the vLLM function that "
                        f"{getattr(fn, '__qualname__', fn)} wraps")
+
+
+class HostTime:
+    """``bench methods --host-time``: each run of a method (its engine in
+    this process) timed by a ``Profile``, summed per method until ``take``."""
+
+    def __init__(self):
+        import vllm_plugins.bridge as bridge
+
+        bridge.install()
+        self.prof = Profile()
+        self.prof.install()
+        self.own: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.steps: dict[str, int] = defaultdict(int)
+
+    @contextlib.contextmanager
+    def timing(self, method: str):
+        prof = self.prof
+        prof.reset()
+        prof.on = True
+        try:
+            yield
+        finally:
+            prof.on = False
+            for label, seconds in prof.own.items():
+                self.own[method][label] += seconds
+            self.steps[method] += prof.calls.get(STEPS, 0)
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """Per method since the last take, CPU ms a step: ``ours_ms`` (all of
+        ours, the top-k stash included), ``topk_ms``, ``vllm_ms``; and
+        ``plain_ms``, a step's whole time (ours and vLLM's)."""
+        out = {}
+        for method, own in self.own.items():
+            steps = max(self.steps[method], 1)
+            ms = {k: 1e3 * v / steps for k, v in own.items()}
+            ours = sum(v for k, v in ms.items() if k not in NOT_OURS and k != STEPS)
+            out[method] = {"ours_ms": ours, "topk_ms": ms.get(TOPK, 0.0),
+                           "vllm_ms": ms.get(VLLM, 0.0), "steps": steps,
+                           "plain_ms": ours + ms.get(VLLM, 0.0)}
+        self.own.clear()
+        self.steps.clear()
+        return out
 
 
 def timer_cost(prof: Profile, calls: int = 20000) -> float:
