@@ -6,8 +6,9 @@ stand-in CPU backend in place before vLLM is imported
 (``vllm_plugins.v2_on_cpu``): the worker then runs V2, its kernels in
 Triton's interpreter. A KV cache smaller than the four concurrent requests
 need makes the scheduler preempt. The reference is a plain V2 server on the
-same tiny model, started first and stopped before the drafting one. Slow:
-two server starts, short outputs.
+same tiny model, started first and stopped before the drafting one. Then
+tensor parallel 2 on V2, against plain V2 at the same size. Slow: four
+server starts, short outputs.
 """
 
 from __future__ import annotations
@@ -133,3 +134,24 @@ def test_an_abort_and_a_bad_request_on_v2_leave_the_server_serving(server, plain
     status, body = complete(base, model, PROMPTS[2])
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == plain[2]
+
+
+def test_tensor_parallel_2_on_v2_decodes_as_plain_v2(tiny, tmp_path):
+    """Two ranks on V2, one core each; the reference is plain V2 at the same
+    size (its sums split across ranks as the drafting server's are)."""
+    args = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+            "--max-num-seqs", "4", "--seed", "0"]
+    env = {**v2_env(), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    got = {}
+    for name, extra in (("plain", []), ("token_recycling",
+                                        ["--speculative-config", json.dumps(SPEC)])):
+        log = tmp_path / f"{name}.log"
+        with running_server(tiny, args + extra, log, env=env, start_seconds=1200) as base:
+            got[name] = [complete(base, tiny, p, max_tokens=32)[1]["choices"][0]["token_ids"]
+                         for p in PROMPTS]
+            if name != "plain":
+                accepted = counter(base, "vllm:spec_decode_num_accepted_tokens_total")
+        assert runs_v2(log), f"the {name} server did not run Model Runner V2"
+        assert "world_size=2 rank=1" in log.read_text()
+    assert got["token_recycling"] == got["plain"]
+    assert accepted > 0
