@@ -133,6 +133,9 @@ class DeviceChains:
 
 
 def _drafted(drafts: np.ndarray) -> np.ndarray:
-    """Each chain's tokens before its -1 padding (drafts [R, T])."""
+    """Each chain's tokens before its -1 padding (drafts [R, T], T may be
+    0: every request of the step was given no draft)."""
+    if drafts.shape[1] == 0:
+        return np.zeros(drafts.shape[0], np.int64)
     pad = drafts < 0
     return np.where(pad.any(1), pad.argmax(1), drafts.shape[1])

@@ -132,6 +132,20 @@ def test_slots_are_reused_and_grow_past_the_start():
     assert len(p.device_chains._free) == p.device_chains.tables.max_slots - 3
 
 
+def test_a_step_that_gives_every_request_no_draft_drafts_nothing():
+    """The controller may give every request of a step length 0: the walk is
+    then zero tokens wide."""
+    p = _proposer("device")
+    req = RequestStep(req_id="q", accepted=np.array([3]), context=np.array([1, 2, 3]),
+                      num_prompt_tokens=2, num_draft=0, verified_tokens=np.array([2]),
+                      topk_ids=np.array([[3, 0, 0, 0]]),
+                      topk_logprobs=np.zeros((1, 4), np.float32), temperature=0.0)
+    p.step(StepContext([req], max_draft=3))
+    tokens, conf = [None], [None]
+    p.device_chains.draft([(0, req, 0)], tokens, conf)
+    assert tokens == [[]] and len(conf[0]) == 0
+
+
 def test_device_tables_refuse_what_they_do_not_do():
     with pytest.raises(ValueError, match="tables.*draft_shape='tree'"):
         _proposer("device", draft_shape="tree")
