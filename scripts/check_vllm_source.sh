@@ -2,7 +2,8 @@
 # The next vLLM release, checked on its source: vLLM 0.33 has no CPU build, so
 # its wheel (downloaded once, no dependencies, cached beside the default model)
 # is laid over the installed CPU build's compiled kernels (scripts/vllm_overlay.py),
-# and the fast suite, bridge pins included, runs against that. First prints which
+# and the fast suite, bridge pins included, runs against that, then every
+# method on Model Runner V2 (greedy, the tiny model). First prints which
 # vLLM internals the bridge touches changed (scripts/vllm_api_diff.py): the list
 # to read before trusting a green run.
 #
@@ -36,4 +37,11 @@ echo "== vLLM internals the bridge touches: installed vLLM -> $VERSION"
 export VLLM_TARGET_DEVICE=cpu
 export PYTHONPATH="$overlay${PYTHONPATH:+:$PYTHONPATH}"
 "$VPY" -c "import sys, vllm; v = vllm.__version__; print('== fast suite on vLLM', v, 'from', vllm.__file__); sys.exit(v != '$VERSION')"
-exec "$VPY" -m pytest -q -ra -p no:cacheprovider -m "not slow" "$@"
+"$VPY" -m pytest -q -ra -p no:cacheprovider -m "not slow" "$@"
+# Every method on Model Runner V2, greedy against plain V2 (one engine
+# process, the tiny model): the route's patches on this release's runner.
+if [ "$#" -eq 0 ]; then
+    echo "== Model Runner V2 on vLLM $VERSION"
+    exec "$VPY" -m pytest -q -ra -p no:cacheprovider tests/test_v2_e2e.py \
+        -k "not preempt and not draft_prob and not misstate"
+fi

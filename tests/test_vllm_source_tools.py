@@ -162,6 +162,11 @@ def test_overlay_takes_python_from_the_wheel_and_kernels_from_the_install(tmp_pa
     assert (out / "vllm" / "__init__.py").read_text() == "VERSION = 'new'\n"
     assert (out / "vllm" / "_C.abi3.so").read_bytes() == b"cpu kernels"
     assert not (out / "vllm-9.9.9.dist-info").exists()
+    # The release's metadata as a CPU build names it (vLLM reads it by name).
+    from importlib.metadata import PathDistribution
+
+    dist = PathDistribution(out / "vllm-9.9.9+cpu.dist-info")
+    assert (dist.metadata["Name"], dist.version) == ("vllm", "9.9.9+cpu")
 
     # Up to date: not rebuilt (a file written meanwhile survives).
     (out / "vllm" / "marker").write_text("")
