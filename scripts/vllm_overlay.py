@@ -24,6 +24,8 @@ import zipfile
 from pathlib import Path
 
 STAMP = ".vllm-overlay-stamp"
+# Bumped when what ``build`` writes changes, so that older overlays are rebuilt.
+RECIPE = 2
 
 
 def installed_vllm_dir() -> Path:
@@ -38,6 +40,7 @@ def installed_vllm_dir() -> Path:
 
 def _stamp(wheel: Path, installed: Path) -> str:
     h = hashlib.sha256()
+    h.update(f"recipe {RECIPE}\n".encode())
     h.update(f"{wheel.resolve()}:{wheel.stat().st_size}:{wheel.stat().st_mtime_ns}".encode())
     for so in sorted(installed.rglob("*.so")):
         h.update(f"{so.relative_to(installed)}:{so.stat().st_size}".encode())
