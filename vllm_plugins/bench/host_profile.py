@@ -17,6 +17,11 @@ core (``VLLM_CPU_OMP_THREADS_BIND``, default "1"), so torch's work on a step
 runs on that thread too. Each wrapped call adds about a microsecond of
 timer reads to its caller (printed as "timer cost a call").
 
+On Model Runner V2 (``python -m vllm_plugins.bench --runner v2
+host-profile``) the V2 route's functions are timed the same way (sampler
+taps and speculator as the bridge, its top-k and ``StepContext`` apart);
+V2's samplers, whose Triton kernels a CPU interprets, count to vLLM.
+
 A wrapped function that no longer exists (a rename) stops the command
 before any engine starts, naming it.
 
@@ -63,7 +68,10 @@ TOPK = "top-k stash"
 # each wrapper's own code is ours, the vLLM function it wraps is vLLM's.
 STEP_PATCHES = ("runner.step_clock", "runner.verified_topk", "runner.propose",
                 "tree.depth_positions", "tree.cpu_attention", "verify.bonus_rows",
-                "verify.target_rows", "verify.bonus_min_tokens")
+                "verify.target_rows", "verify.bonus_min_tokens",
+                "grammar.send_held_specs", "grammar.worker_compiles_held_specs",
+                "grammar.report_matcher_errors", "grammar.end_on_matcher_errors",
+                "metrics.worker_counters")
 
 # (component, "module:Qualname") of each function timed as that component.
 FUNCTIONS = (
@@ -97,6 +105,20 @@ FUNCTIONS = (
     ("merge: outcomes", "vllm_plugins.proposers.hybrid:HybridProposer._learn_outcomes"),
     ("merge: outcomes", "vllm_plugins.proposers.sources.calibrate:SourceCalibrator.learn"),
     (SUFFIX, "vllm.v1.spec_decode.suffix_decoding:SuffixDecodingProposer.propose"),
+    # Model Runner V2: its samplers are vLLM's (their Triton kernels
+    # interpreted on a CPU), our taps on them and our speculator the bridge.
+    (VLLM, "vllm.v1.worker.gpu.sample.sampler:Sampler.__call__"),
+    (VLLM, "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler.__call__"),
+    (BRIDGE, "vllm_plugins.bridge.v2.taps:SamplerTap.__call__"),
+    (BRIDGE, "vllm_plugins.bridge.v2.taps:SamplerTap.add_request"),
+    (BRIDGE, "vllm_plugins.bridge.v2.drafter_base:V2Drafter.propose"),
+    (BRIDGE, "vllm_plugins.bridge.v2.speculator:PluginSpeculator.draft"),
+    (TOPK, "vllm_plugins.bridge.v2.speculator:PluginSpeculator.observe_logits"),
+    ("StepContext", "vllm_plugins.bridge.v2.context:build_context"),
+    ("drafts out (checks, tree record, probs)",
+     "vllm_plugins.bridge.v2.speculator:PluginSpeculator._checked_chains"),
+    ("drafts out (checks, tree record, probs)",
+     "vllm_plugins.bridge.v2.speculator:PluginSpeculator._draft_logits"),
 )
 # Every draft-length controller's step methods, as one component.
 CONTROLLER = "controller (and tree shaping)"
