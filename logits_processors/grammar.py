@@ -68,6 +68,7 @@ from .awrs import AwrsRows, AwrsStats, validate_awrs
 from .grammar_engine import (  # noqa: F401  (the processor's public names)
     FQCN, engine_drops_processors, is_duplicate, refuse_grammar_requests)
 from .grammar_state import FAILURE_TEXT, GrammarRequest, apply_masks
+from .grammar_topk import MaskedTopk
 from .grammar_verification import DraftedRows
 from .log_once import LogOnce
 from vllm_plugins.counted import Counted
@@ -125,6 +126,8 @@ class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2Logit
         self._asap: AsapStore | None = None
         self._asap_max_nodes = max_nodes_from_env()
         self.awrs_stats = AwrsStats()  # "sampling": "awrs" requests' counts (:mod:`.awrs`)
+        # Masked rows' top-k, for a drafter that learns it (:mod:`.grammar_topk`).
+        self.masked_topk = MaskedTopk()
         # V1 under speculation: the step's drafts by batch index while vLLM's
         # rejection sampler runs (set by the bridge), else None.
         self._verifying: list[list[int]] | None = None
@@ -395,7 +398,8 @@ class GrammarLogitsProcessor(AwrsRows, DraftedRows, _V1LogitsProcessor, _V2Logit
                 if n_ok:
                     m.rollback(n_ok)
         bitmask = rt.fill(fill_pairs, n_logits) if fill_pairs else None
-        apply_masks(rt, logits, bitmask, mask_rows, mask_eos, force_rows, force_toks)
+        apply_masks(rt, logits, bitmask, mask_rows, mask_eos, force_rows, force_toks,
+                    self.masked_topk)
         if aligned:
             self._align(logits, aligned, raw)
         return logits

@@ -13,7 +13,7 @@ from vllm_plugins.grammar.runtime import GrammarRuntime
 
 from .asap import AsapCursor
 from .awrs import AwrsRequest
-from .grammar_topk import MASKED_TOPK
+from .grammar_topk import MaskedTopk
 
 _PLACEHOLDER = -1  # vLLM's async-scheduling placeholder for a not-yet-known token
 #: What a request whose grammar failed says at the end of its output.
@@ -111,11 +111,12 @@ def copy_bit(bitmask: torch.Tensor, row: int, src: int, dst: int) -> None:
 
 def apply_masks(rt: GrammarRuntime, logits: torch.Tensor, bitmask: torch.Tensor | None,
                 mask_rows: list[int], mask_eos: list[int],
-                force_rows: list[int], force_toks: list[int]) -> None:
+                force_rows: list[int], force_toks: list[int],
+                masked_topk: MaskedTopk) -> None:
     """Masked rows take their filled bitmask rows, with each request's own
     EOS allowed wherever the tokenizer's is; forced rows take one token.
-    The rows' top-k is then recorded for a drafter that learns from it
-    (``grammar_topk``; nothing when none asked)."""
+    The rows' top-k is then recorded in ``masked_topk`` for a drafter that
+    learns from it (``grammar_topk``; nothing when none asked)."""
     if bitmask is not None and mask_rows:
         for row, eos in zip(mask_rows, mask_eos):
             if eos != rt.eos_token:
@@ -123,4 +124,4 @@ def apply_masks(rt: GrammarRuntime, logits: torch.Tensor, bitmask: torch.Tensor 
         rt.apply(logits, mask_rows, mask_rows)
     if force_rows:
         GrammarRuntime.force_token(logits, force_rows, force_toks)
-    MASKED_TOPK.record(logits, mask_rows + force_rows)
+    masked_topk.record(logits, mask_rows + force_rows)

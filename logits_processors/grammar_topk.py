@@ -12,10 +12,11 @@ sooner. Recorded here as the processor masks each row, the masked top-k
 replaces the raw one for the processor's requests
 (``proposers.grammar.GrammarProposer``): what native gets.
 
-One recorder per process: the sampler and the drafter of an engine run in
-its worker process, one step after the other (the drafter takes the
-recording, and checks the drafts it was made for). Off (``k == 0``) unless
-a drafter in the process asks for it, so other engines pay nothing.
+One recorder per grammar processor (``GrammarLogitsProcessor.masked_topk``).
+Off (``k == 0``) unless the engine's drafter learns it
+(``Drafter.masked_topk_wanted``): then the bridge asks the recorder for
+that many ids a row and hands each step's recording to the drafter in its
+``StepContext.masked_topk``; the drafter checks the drafts it was made for.
 """
 
 from __future__ import annotations
@@ -107,6 +108,3 @@ class MaskedTopk:
             return None
         return (np.stack([g[0][:k] for g in got]), np.stack([g[1][:k] for g in got]))
 
-
-#: The worker process's recorder.
-MASKED_TOPK = MaskedTopk()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .grammar_state import GrammarRequest, apply_masks
-from .grammar_topk import MASKED_TOPK
+from .grammar_topk import MaskedTopk
 
 
 class DraftedRows:
@@ -23,6 +23,7 @@ class DraftedRows:
     rows, on the processor's own requests, runtime and masking."""
 
     _verifying: list[list[int]] | None = None
+    masked_topk: "MaskedTopk"
 
     def begin_verification(self, drafts: list[list[int]],
                            cuts: list[int | None] | None = None) -> None:
@@ -31,14 +32,14 @@ class DraftedRows:
         row that reaches this processor fully masked (None: none), which
         aligned requests stop reweighting at, as plain decoding does."""
         self._verifying = drafts
-        MASKED_TOPK.bonus_rows(drafts)
+        self.masked_topk.bonus_rows(drafts)
         for index, req in self._reqs.items():
             if req.asap is not None:
                 req.asap.cut = cuts[index] if cuts and index < len(cuts) else None
 
     def end_verification(self) -> None:
         self._verifying = None
-        MASKED_TOPK.plain_rows()
+        self.masked_topk.plain_rows()
         for req in self._reqs.values():
             if req.asap is not None:
                 req.asap.cut = None
@@ -78,7 +79,7 @@ class DraftedRows:
                 plan.append((req, drafts[index], list(range(start, start + n))))
             start += n
         if plan:
-            MASKED_TOPK.target_rows(num_draft, drafts)
+            self.masked_topk.target_rows(num_draft, drafts)
             self._mask_positions(logits, plan)
         return logits
 
@@ -133,5 +134,6 @@ class DraftedRows:
             if n_ok:
                 m.rollback(n_ok)
         bitmask = rt.bitmask(n_logits) if mask_rows else None
-        apply_masks(rt, logits, bitmask, mask_rows, mask_eos, force_rows, force_toks)
+        apply_masks(rt, logits, bitmask, mask_rows, mask_eos, force_rows, force_toks,
+                    self.masked_topk)
         return logits

@@ -166,10 +166,6 @@ class GrammarProposer(PluginProposer):
             # A self-drafting inner (swift, del) needs the bridge's target
             # layers and KV lookahead: the bridge reads these from the outer.
             self.SELF_DRAFT = self.inner.SELF_DRAFT
-            if self.inner.TOPK:
-                from vllm_plugins.logits_processors.grammar_topk import MASKED_TOPK
-
-                MASKED_TOPK.want(self.inner.TOPK)
         self._so_config = getattr(vllm_config, "structured_outputs_config", None)
         self._model_config = getattr(vllm_config, "model_config", None)
         self._tokenizer = tokenizer
@@ -200,6 +196,11 @@ class GrammarProposer(PluginProposer):
     # ------------------------------------------------------------ lifecycle
     def free(self, req_id: str) -> None:
         self._states.pop(req_id, None)
+
+    def masked_topk_wanted(self) -> int:
+        """The inner learns the target's top-k: our grammar processor's
+        requests learn it after the processor's mask (``_masked_topk``)."""
+        return self.inner.TOPK if self.inner is not None else 0
 
     def counters(self) -> dict[str, dict[str, int]]:
         out = self.inner.counters() if self.inner is not None else {}
@@ -288,10 +289,8 @@ class GrammarProposer(PluginProposer):
         the processor's mask, as vLLM's structured outputs do after vLLM's
         (``logits_processors.grammar_topk`` says why); a request whose rows
         were not all recorded keeps the raw top-k."""
-        from vllm_plugins.logits_processors.grammar_topk import MASKED_TOPK
-
-        masked = MASKED_TOPK.take()
-        if not masked.rows:
+        masked = ctx.masked_topk
+        if masked is None or not masked.rows:
             return
         for i, r in enumerate(ctx.requests):
             if r.topk_ids is None or processor_grammar(r.sampling_params) is None:

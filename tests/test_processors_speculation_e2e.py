@@ -134,6 +134,8 @@ def test_greedy_identical_per_processor(method, plain, request, tok):
     assert p["num_errors"] == 0, p
     if method == "grammar_forced":
         assert p["forced_tokens"] > 0 and p["grammar_requests"] >= 2, p
+        # The inner learned the processor's masked top-k (the bridge's handover).
+        assert p["masked_topk_rows"] > 0, p
 
 
 # A new user's first try of min_tokens: short answers, which the model ends

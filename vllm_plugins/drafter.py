@@ -67,6 +67,11 @@ class Drafter(Counted):
 
     # counters() (``Counted``): totals that only grow, for ``/metrics``.
 
+    def masked_topk_wanted(self) -> int:
+        """Ids a row of the target's top-k after our grammar processor's
+        mask that the drafter learns (``StepContext.masked_topk``); 0: none."""
+        return 0
+
     def device_drafter(self) -> DeviceDrafter | None:
         """This drafter's device route, where it has one."""
         return None

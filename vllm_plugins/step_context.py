@@ -88,6 +88,10 @@ class StepContext:
     # ``aux_layers`` ({layers run: tensor [tokens, hidden]}).
     target: object = None
     aux_streams: dict | None = None
+    # Drafters that learn it (Drafter.masked_topk_wanted): the target's top-k
+    # after our grammar processor's mask this step
+    # (logits_processors.grammar_topk.MaskedTopk), or None.
+    masked_topk: object = None
 
     @property
     def batch_size(self) -> int:

@@ -146,7 +146,29 @@ def build_context(runner, state: RunnerState, scheduler_output,
         last_propose_seconds=propose_seconds,
         last_topk_seconds=topk_seconds,
         last_gap_seconds=gap,
+        masked_topk=take_masked_topk(runner, state.proposer),
     )
+
+
+def take_masked_topk(runner, drafter):
+    """This step's recording of the target's top-k after our grammar
+    processor's mask (``logits_processors.grammar_topk``), for a drafter
+    that learns it; None otherwise. The processor is asked for the
+    drafter's k here, so it records from the engine's second step on."""
+    k = drafter.masked_topk_wanted()
+    if not k:
+        return None
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    procs = getattr(getattr(runner.input_batch, "logitsprocs", None), "all", None) or ()
+    taken = None
+    for proc in procs:
+        if isinstance(proc, GrammarLogitsProcessor):
+            proc.masked_topk.want(k)
+            recording = proc.masked_topk.take()
+            if recording.rows:  # a duplicate processor stays idle
+                taken = recording
+    return taken
 
 
 def add_self_draft(runner, proposer, ctx: StepContext, common_attn_metadata,
