@@ -30,7 +30,8 @@ def stand_in_runner(proposer):
 def test_build_context_lines_up_verified_rows_with_the_targets_topk():
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    proposer = SimpleNamespace(topk_wanted=lambda: 3, max_draft=4)
+    proposer = SimpleNamespace(topk_wanted=lambda: 3, max_draft=4,
+                               masked_topk_wanted=lambda: 0)
     runner = stand_in_runner(proposer)
     state = attach(runner, proposer)
     logits = torch.randn(4, 50)  # a: 2 drafts + 1, b: 1
@@ -54,7 +55,8 @@ def test_build_context_lines_up_verified_rows_with_the_targets_topk():
 
 
 def test_a_stash_that_does_not_line_up_teaches_nothing():
-    proposer = SimpleNamespace(topk_wanted=lambda: 2, max_draft=4)
+    proposer = SimpleNamespace(topk_wanted=lambda: 2, max_draft=4,
+                               masked_topk_wanted=lambda: 0)
     runner = stand_in_runner(proposer)
     state = attach(runner, proposer)
     step.stash_topk(state, torch.randn(3, 50), None)  # three rows, two requests
@@ -74,7 +76,8 @@ def test_a_requests_speculation_is_parsed_once_and_freed_when_it_finishes(monkey
         return real(params, max_draft)
 
     monkeypatch.setattr(speculation, "parse_speculation", counting)
-    proposer = SimpleNamespace(topk_wanted=lambda: 0, max_draft=4)
+    proposer = SimpleNamespace(topk_wanted=lambda: 0, max_draft=4,
+                               masked_topk_wanted=lambda: 0)
     runner = stand_in_runner(proposer)
     runner.requests["a"].sampling_params = SimpleNamespace(
         temperature=0.0, n=1, extra_args={"speculation": '{"max_draft": 2}'})

@@ -133,7 +133,7 @@ def test_bridge_shows_a_resumed_request_in_prefill_and_not_finished():
     runner = SimpleNamespace(input_batch=batch, requests={
         "a": SimpleNamespace(sampling_params=params),
         "b": SimpleNamespace(sampling_params=params)})
-    state = RunnerState(proposer=SimpleNamespace(max_draft=3))
+    state = RunnerState(proposer=SimpleNamespace(max_draft=3, masked_topk_wanted=lambda: 0))
     sched = SimpleNamespace(finished_req_ids=set(), total_num_scheduled_tokens=7,
                             preempted_req_ids=set())
     ctx = build_context(runner, state, sched, [[], [9]])

@@ -178,10 +178,15 @@ def wrap_worker_sample_tokens(original):
         runner = self.model_runner
         state = state_of(runner)
         processors = counted_processors(runner)
-        if processors or (state is not None and state.proposer is not None):
+        if state is None and any(v for p in processors
+                                 for values in p.counters().values() for v in values.values()):
             # A runner with only our logits processors gets a state to keep
-            # its last report in (a state without a proposer drafts nothing).
-            report(state or attach(runner), out, processors)
+            # its last report in once they counted something (a state
+            # without a proposer drafts nothing; an engine whose requests
+            # used nothing of ours keeps nothing of ours).
+            state = attach(runner)
+        if state is not None and (processors or state.proposer is not None):
+            report(state, out, processors)
         return out
 
     return sample_tokens
