@@ -34,6 +34,18 @@ def post(url: str, body: dict, headers: dict[str, str] | None = None) -> tuple[i
         return e.code, json.loads(e.read())
 
 
+def stream_and_leave(base: str, body: dict, headers: dict[str, str] | None = None,
+                     chunks: int = 2) -> None:
+    """A streamed completion whose client leaves after ``chunks`` chunks:
+    the server aborts the request."""
+    req = urllib.request.Request(
+        base + "/v1/completions", data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})})
+    with urllib.request.urlopen(req, timeout=300) as stream:
+        for _ in range(chunks):
+            assert stream.readline()
+
+
 def scrape(base: str, prefix: str) -> dict[tuple[str, tuple], float]:
     """The server's /metrics samples whose name starts with ``prefix``:
     {(name, sorted labels): value}."""

@@ -13,11 +13,10 @@ reference, shut down before the server starts) and one server start.
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 
-from tests.serving import post, running_server, scrape
+from tests.serving import post, running_server, scrape, stream_and_leave
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
@@ -125,14 +124,9 @@ def test_an_abort_and_a_bad_request_on_one_rank_leave_both_serving(server, plain
     base, model = server
     # A streamed request on rank 0 whose client leaves after two chunks:
     # vLLM aborts it on that rank.
-    req = urllib.request.Request(
-        base + "/v1/completions",
-        data=json.dumps({"model": model, "prompt": PROMPTS[1], "max_tokens": 600,
-                         "temperature": 0, "stream": True, "ignore_eos": True}).encode(),
-        headers={"Content-Type": "application/json", "X-data-parallel-rank": "0"})
-    with urllib.request.urlopen(req, timeout=120) as stream:
-        for _ in range(2):
-            assert stream.readline()
+    stream_and_leave(base, {"model": model, "prompt": PROMPTS[1], "max_tokens": 600,
+                            "temperature": 0, "ignore_eos": True},
+                     headers={"X-data-parallel-rank": "0"})
     # A bad per-request option on rank 0: HTTP 400 that names it.
     status, body = complete(server, PROMPTS[0], "0",
                             vllm_xargs={"speculation": json.dumps({"max_draft": -1})})

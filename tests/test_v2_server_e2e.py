@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 import os
 import threading
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.serving import post, running_server, scrape
+from tests.serving import post, running_server, scrape, stream_and_leave
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("vllm")
@@ -112,14 +111,8 @@ def test_preempted_requests_on_v2_decode_as_plain_v2(server, plain):
 def test_an_abort_and_a_bad_request_on_v2_leave_the_server_serving(server, plain):
     base, model = server
     # A streamed request whose client leaves after two chunks: vLLM aborts it.
-    req = urllib.request.Request(
-        base + "/v1/completions",
-        data=json.dumps({"model": model, "prompt": PROMPTS[1], "max_tokens": 150,
-                         "temperature": 0, "stream": True, "ignore_eos": True}).encode(),
-        headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as stream:
-        for _ in range(2):
-            assert stream.readline()
+    stream_and_leave(base, {"model": model, "prompt": PROMPTS[1], "max_tokens": 150,
+                            "temperature": 0, "ignore_eos": True})
     # A bad per-request option: HTTP 400 naming it, that request alone.
     status, body = complete(base, model, PROMPTS[0],
                             vllm_xargs={"speculation": json.dumps({"max_draftx": 1})})
