@@ -322,13 +322,18 @@ class HostTime:
         for method, own in self.own.items():
             steps = max(self.steps[method], 1)
             ms = {k: 1e3 * v / steps for k, v in own.items()}
-            ours = sum(v for k, v in ms.items() if k not in NOT_OURS and k != STEPS)
+            ours = ours_ms(ms)
             out[method] = {"ours_ms": ours, "topk_ms": ms.get(TOPK, 0.0),
                            "vllm_ms": ms.get(VLLM, 0.0), "steps": steps,
                            "plain_ms": ours + ms.get(VLLM, 0.0)}
         self.own.clear()
         self.steps.clear()
         return out
+
+
+def ours_ms(ms: dict[str, float]) -> float:
+    """All of ours in a step's per-component milliseconds."""
+    return sum(v for k, v in ms.items() if k not in NOT_OURS and k != STEPS)
 
 
 def timer_cost(prof: Profile, calls: int = 20000) -> float:
@@ -378,7 +383,7 @@ def measure(engine, prompts, params, batch: int, prof: Profile) -> dict:
         prof.on = False
     steps = prof.calls.get(STEPS, 0)
     ms = {k: 1e3 * v / max(steps, 1) for k, v in prof.own.items()}
-    ours = sum(v for k, v in ms.items() if k not in NOT_OURS and k != STEPS)
+    ours = ours_ms(ms)
     return {"batch": batch, "steps": steps, "tokens": tokens,
             "MAT": tokens / max(forwards, 1), "ms_per_step": ms, "ours_ms": ours,
             "calls_per_step": {k: v / max(steps, 1) for k, v in prof.calls.items()}}
