@@ -24,7 +24,8 @@ read: tensor-parallel ranks draft alike (``bridge/ranks.py``).
 processors (``vllm_plugins/counted.py``), nothing else of the runner, so
 any adapter that keeps one (the V1 runner's, V2's) feeds the same path
 through ``report``. An engine that runs only our grammar processor reports
-its counters too (a state without a proposer keeps the last report).
+its counters too, from its first count on (a state without a proposer keeps
+the last report; until then the engine holds nothing of ours).
 """
 
 from __future__ import annotations
