@@ -7,12 +7,12 @@ is shaped so.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from vllm_plugins.options import choice, flag, integer, number
+from vllm_plugins.proposers.draft_length.estimator_kernels import learn_rows, probs_from
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 EPS = 1e-3  # position probabilities are clipped to [EPS, 1 - EPS]
@@ -123,6 +123,7 @@ class AcceptanceEstimator:
         slots.add("win_n", (self.recent,), np.int16, 0)   # 0 = empty
         slots.add("win_m", (self.recent,), np.int16, 0)
         slots.add("win_pos", (), np.int64, 0)
+        self._no_counts = np.zeros((1, max_draft))   # the window estimator keeps none
 
     @property
     def global_rate(self) -> float:
@@ -158,45 +159,14 @@ class AcceptanceEstimator:
         return (self._gps + 2.0 * g) / (self._gpn + 2.0)
 
     def _probs_from(self, s: np.ndarray, n: np.ndarray) -> np.ndarray:
-        g = self.global_rate
-        alpha = (s.sum(1) + g) / (n.sum(1) + 1.0)           # the request's pooled rate
-        # Each position's global odds relative to the pooled global odds:
-        # a profile over depth that moves with the request's own rate.
-        rates = self.position_rates()
-        profile = rates / (1.0 - rates)
-        profile = profile / (g / (1.0 - g))
-        prior = odds_scale(alpha[:, None], profile[None, :])
-        c = self.prior_strength
-        p = (s + c * prior) / np.maximum(n + c, 1e-12)
-        return clip(p, EPS, 1.0 - EPS)
+        return probs_from(np.ascontiguousarray(s, np.float64),
+                          np.ascontiguousarray(n, np.float64), self.global_rate,
+                          self._gps, self._gpn, float(self.prior_strength), EPS)
 
     def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
-        """Learn from rows whose drafts were verified (n > 0): m of n accepted."""
-        if len(rows) == 0:
-            return
-        n = np.minimum(n, self.depth)
-        m = np.minimum(m, n)
-        obs, acc = outcome_masks(n, m, self.depth)
-        self._gs = self._gdecay * self._gs + float(acc.sum())
-        self._gn = self._gdecay * self._gn + float(obs.sum())
-        self._gps = self._gdecay * self._gps + acc.sum(0)
-        self._gpn = self._gdecay * self._gpn + obs.sum(0)
-        a = self.slots.arrays
-        pos = a["win_pos"][rows]
-        col = pos % self.recent
-        a["win_n"][rows, col] = n
-        a["win_m"][rows, col] = m
-        a["win_pos"][rows] = pos + 1
-        if self.mode == "window":
-            return
-        d = self.decay
-        a["acc_s"][rows] = d * a["acc_s"][rows] + acc
-        a["acc_n"][rows] = d * a["acc_n"][rows] + obs
-        if self.change_threshold > 0:
-            self._changed(rows)
-
-    def _changed(self, rows: np.ndarray) -> np.ndarray:
-        """Bayes factor of "a new regime began L steps ago" (L = 2..W, W = 3).
+        """Learn from rows whose drafts were verified (n > 0): m of n accepted;
+        then, with ``ewma``, the change detector: the Bayes factor of "a new
+        regime began L steps ago" (L = 2..W, W = 3).
 
         Pooled over positions, the last L steps hold A accepted drafts and F
         rejections. Under "no change" they follow the Beta posterior of the
@@ -209,44 +179,19 @@ class AcceptanceEstimator:
         over-confident history does not raise false alarms. Where the best L
         clears ``change_threshold``, the counts are replaced by those L steps'.
         """
+        if len(rows) == 0:
+            return
         a = self.slots.arrays
-        n = a["win_n"][rows].astype(np.int64)          # [R, W]
-        m = a["win_m"][rows].astype(np.int64)
-        valid = n > 0
-        # Age of each column (0 = newest). EWMA is linear: the window's share
-        # of S, N is d**age per step, so the reference excludes it exactly.
-        newest = (a["win_pos"][rows] - 1) % self.recent
-        age = (newest[:, None] - np.arange(self.recent)[None, :]) % self.recent
-        rs, rn = self._window_counts(rows, self.decay ** age)
-        s_ref = np.maximum(a["acc_s"][rows].sum(1) - rs.sum(1), 0.0)
-        n_ref = np.maximum(a["acc_n"][rows].sum(1) - rn.sum(1), s_ref)
-        g = self.global_rate
-        a0 = (s_ref + g)[:, None]
-        b0 = (n_ref - s_ref + 1.0 - g)[:, None]
-        acc = np.where(valid, m, 0).astype(np.float64)
-        rej = (valid & (m < n)).astype(np.float64)
-        order = np.argsort(age, axis=1)                 # newest first
-        A = np.cumsum(np.take_along_axis(acc, order, 1), 1)
-        F = np.cumsum(np.take_along_axis(rej, order, 1), 1)
-        steps = np.cumsum(np.take_along_axis(valid, order, 1), 1)
-        # The nine log-Gamma terms of the three log-Betas in one call.
-        shape = A.shape
-        a0w, b0w = np.broadcast_to(a0, shape), np.broadcast_to(b0, shape)
-        lg = _lgamma(np.stack([1.0 + A, 1.0 + F, (1.0 + A) + (1.0 + F),
-                               a0w + A, b0w + F, (a0w + A) + (b0w + F),
-                               a0w, b0w, a0w + b0w]))
-        log_bf = ((lg[0] + lg[1] - lg[2]) - (lg[3] + lg[4] - lg[5]) + (lg[6] + lg[7] - lg[8]))
-        log_bf = np.where(steps >= 2, log_bf, -np.inf)
-        log_bf[:, 0] = -np.inf                          # one step is a fluke
-        best = np.argmax(log_bf, axis=1)
-        hit = log_bf[np.arange(len(rows)), best] > self.change_threshold
-        if hit.any():
-            hr = rows[hit]
-            keep = (age[hit] <= best[hit, None]).astype(np.float64)
-            a["acc_s"][hr], a["acc_n"][hr] = self._window_counts(hr, keep)
-            a["win_n"][hr] = 0                          # a fresh detection window
-            self.changes += int(hit.sum())
-        return hit
+        ewma = self.mode == "ewma"
+        glob = np.array([self._gs, self._gn])
+        acc_s = a["acc_s"] if ewma else self._no_counts
+        acc_n = a["acc_n"] if ewma else self._no_counts
+        self.changes += learn_rows(
+            np.asarray(rows, np.int64), np.asarray(n, np.int64), np.asarray(m, np.int64),
+            self.depth, acc_s, acc_n, a["win_n"], a["win_m"], a["win_pos"], glob,
+            self._gps, self._gpn, self._gdecay, self.prior_acceptance, self.decay, ewma,
+            float(self.change_threshold))
+        self._gs, self._gn = float(glob[0]), float(glob[1])
 
 
 def odds_scale(p: np.ndarray, factor: np.ndarray) -> np.ndarray:
@@ -256,15 +201,3 @@ def odds_scale(p: np.ndarray, factor: np.ndarray) -> np.ndarray:
     p = clip(p, EPS, 1.0 - EPS)
     scaled = p * factor
     return scaled / (1.0 - p + scaled)
-
-
-def _lgamma(x: np.ndarray) -> np.ndarray:
-    """log Gamma(x) for x > 0, vectorised (shift by 6, then Stirling; ~1e-10)."""
-    x = np.asarray(x, dtype=np.float64)
-    shift = np.log(x * (x + 1) * (x + 2) * (x + 3) * (x + 4) * (x + 5))
-    z = x + 6.0
-    inv = 1.0 / z
-    inv2 = inv * inv
-    series = inv * (1 / 12 - inv2 * (1 / 360 - inv2 * (1 / 1260 - inv2 / 1680)))
-    return (z - 0.5) * np.log(z) - z + 0.5 * math.log(2 * math.pi) + series - shift
-
