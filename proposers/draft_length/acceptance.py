@@ -49,17 +49,6 @@ ESTIMATOR_OPTIONS = (
     flag("observe_cut", True),
 )
 
-def outcome_masks(n: np.ndarray, m: np.ndarray, depth: int):
-    """Per draft position j (0-based): observed (j < min(m+1, n)), accepted (j < m).
-
-    Position j's outcome is the conditional acceptance of draft j+1 given drafts
-    1..j were accepted; positions past the first rejection are unobserved.
-    """
-    j = np.arange(depth)
-    obs = j[None, :] < np.minimum(m + 1, n)[:, None]
-    acc = j[None, :] < m[:, None]
-    return obs, acc
-
 
 class AcceptanceEstimator:
     """Per-request conditional acceptance rate of each draft position.

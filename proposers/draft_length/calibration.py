@@ -9,7 +9,9 @@ import numpy as np
 
 from vllm_plugins.options import integer, number
 from vllm_plugins.proposers.draft_length.acceptance import (EPS, clip, odds_scale,
-                                                           outcome_masks, unit_interval)
+                                                           unit_interval)
+from vllm_plugins.proposers.draft_length.calibration_kernels import (calibrated, learn_outcomes,
+                                                                    remember_kept)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 # Options of the policies that read a proposer's confidences.
@@ -45,6 +47,7 @@ class ConfidenceCalibrator:
 
     _STRENGTH = 2.0
     _GLOBAL_HALF_LIFE = 1024.0  # steps
+    _NO_EXTRA = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0), np.zeros(0))
 
     def __init__(self, slots: RequestSlots, max_draft: int, *, calib_bins: int = 10,
                  calib_half_life: float = 16.0, **_: Any):
@@ -74,14 +77,12 @@ class ConfidenceCalibrator:
         ``upto`` (default ``keep``) may reach one further, for a cut draft
         whose outcome the next step observes."""
         a = self.slots.arrays
-        a["conf_kept"][rows] = np.nan
         if conf is None:
+            a["conf_kept"][rows] = np.nan
             return
-        k = min(conf.shape[1], self.depth)
         upto = keep if upto is None else upto
-        kept = np.where(np.arange(k)[None, :] < upto[:, None], conf[:, :k], np.nan)
-        a["conf_kept"][rows, :k] = kept
-        a["conf_seen"][rows] |= ~np.isnan(conf).all(1)
+        remember_kept(rows, conf, np.asarray(upto, np.int64), a["conf_kept"],
+                      a["conf_seen"])
 
     def _global(self, j: np.ndarray, c: np.ndarray) -> np.ndarray:
         """g_jb(c) for positions j and confidences c (same shapes)."""
@@ -101,38 +102,14 @@ class ConfidenceCalibrator:
         a["conf_kept"][rows] = np.nan  # consumed (or stale) either way
         if len(rows) == 0:
             return
-        n = np.minimum(n, self.depth)
-        m = np.minimum(m, n)
-        obs, acc = outcome_masks(n, m, self.depth)
-        obs &= ~np.isnan(conf)
-        r_idx, j_idx = np.nonzero(obs)
-        c = conf[r_idx, j_idx].astype(np.float64)
-        x = acc[r_idx, j_idx].astype(np.float64)
-        if extra is not None:
-            r_idx, j_idx, c, x = (np.concatenate([u, np.asarray(v, u.dtype)])
-                                  for u, v in zip((r_idx, j_idx, c, x), extra))
-        if len(r_idx) == 0:
-            return
-        has = np.bincount(r_idx, minlength=len(rows)) > 0
-        c = clip(c, 0.0, 1.0)
-        b = self._bin(c)
-        expected = self._global(j_idx, c)          # before this step's outcomes
-        self.gs *= self._gdecay
-        self.gn *= self._gdecay
-        self.gps *= self._gdecay
-        self.gpn *= self._gdecay
-        nb = self.bins
-        self.gs += np.bincount(b, weights=x, minlength=nb)
-        self.gn += np.bincount(b, minlength=nb)
-        cell = j_idx * nb + b
-        self.gps += np.bincount(cell, weights=x, minlength=self.depth * nb
-                                ).reshape(self.depth, nb)
-        self.gpn += np.bincount(cell, minlength=self.depth * nb).reshape(self.depth, nb)
-        hr = rows[has]          # rows of one step are distinct
-        a["cal_s"][hr] *= self.decay
-        a["cal_e"][hr] *= self.decay
-        a["cal_s"][rows] += np.bincount(r_idx, weights=x, minlength=len(rows))
-        a["cal_e"][rows] += np.bincount(r_idx, weights=expected, minlength=len(rows))
+        if extra is None:
+            extra = self._NO_EXTRA
+        er, ej, ec, ex = extra
+        learn_outcomes(rows, np.asarray(n, np.int64), np.asarray(m, np.int64), conf,
+                       np.asarray(er, np.int64), np.asarray(ej, np.int64),
+                       np.asarray(ec, np.float64), np.asarray(ex, np.float64),
+                       self.gs, self.gn, self.gps, self.gpn, a["cal_s"], a["cal_e"],
+                       self._STRENGTH, self._gdecay, self.decay)
 
     def calibrate_at(self, rows: np.ndarray, j: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of single drafts: slot row, position
@@ -149,14 +126,8 @@ class ConfidenceCalibrator:
         position j+1); NaN stays NaN."""
         a = self.slots.arrays
         width = min(conf.shape[1], self.depth)
-        conf = conf[:, :width]
-        c = unit_interval(conf.astype(np.float64))
-        j = np.broadcast_to(np.arange(width)[None, :], c.shape)
-        g = self._global(j, c)
-        k = self._STRENGTH
-        level = (a["cal_s"][rows] + k) / (a["cal_e"][rows] + k)
-        out = odds_scale(g, level[:, None])
-        return np.where(np.isnan(conf), np.nan, clip(out, EPS, 1.0 - EPS))
+        return calibrated(rows, np.asarray(conf[:, :width], np.float64), self.gs, self.gn,
+                          self.gps, self.gpn, a["cal_s"], a["cal_e"], self._STRENGTH, EPS)
 
     def table(self) -> list[float]:
         mid = (np.arange(self.bins) + 0.5) / self.bins
