@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_plugins.options import flag, integer, number
+from vllm_plugins.proposers.jit import cached_njit
 from vllm_plugins.proposers.draft_length.acceptance import ESTIMATOR_OPTIONS
 from vllm_plugins.proposers.draft_length.calibration import CONFIDENCE_OPTIONS
 from vllm_plugins.proposers.draft_length.controllers import EstimatingController, Observation
@@ -43,19 +44,62 @@ def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
     prefix), and the best M is chosen with the verify-step cost in every M > 0.
     Returns (k per row, expected goodput, expected generated tokens).
     """
-    batch = q.shape[0]
-    r_idx, j_idx = np.nonzero(valid)
-    gain = q[r_idx, j_idx]
-    order = np.lexsort((j_idx, -gain))   # by gain desc, then position asc
-    cum = np.concatenate([[0.0], np.cumsum(gain[order])])
-    m = np.arange(len(cum))
-    cost = intercept + slope * (batch + m) + np.where(m > 0, verify_step_s, 0.0)
-    if warm_tokens is not None and new_shape_s > 0:
-        cost = cost + np.where(np.isin(batch + m, warm_tokens), 0.0, new_shape_s)
-    goodput = (batch + cum) / np.maximum(cost, 1e-300)
-    best = int(np.argmax(goodput))
-    keep = np.bincount(r_idx[order[:best]], minlength=batch).astype(np.int64)
-    return keep, float(goodput[best]), float(batch + cum[best])
+    warm = _NO_SIZES if warm_tokens is None or new_shape_s <= 0 else warm_tokens
+    keep, goodput, tokens = _allocation(np.ascontiguousarray(q, np.float64),
+                                        np.ascontiguousarray(valid, np.bool_), float(intercept),
+                                        float(slope), float(verify_step_s), float(new_shape_s),
+                                        np.asarray(warm, np.int64), warm_tokens is not None)
+    return keep, goodput, tokens
+
+
+_NO_SIZES = np.zeros(0, np.int64)
+
+
+@cached_njit
+def _allocation(q, valid, intercept, slope, verify_step_s, new_shape_s, warm_tokens,
+                shapes_known):
+    """``goodput_allocation``'s greedy order and best count, compiled (it
+    runs every step over a few entries, where numpy's sort and cumsum
+    dispatch outweighed the work). Entries are listed by position, then
+    row, and sorted stably by falling gain: ties go to the earlier position,
+    then the earlier row."""
+    batch, width = q.shape
+    rows = np.empty(batch * width, np.int64)
+    gains = np.empty(batch * width)
+    count = 0
+    for j in range(width):
+        for r in range(batch):
+            if valid[r, j]:
+                rows[count] = r
+                gains[count] = q[r, j]
+                count += 1
+    order = np.argsort(-gains[:count], kind="mergesort")
+    best = 0
+    best_goodput = -np.inf
+    best_tokens = float(batch)
+    cum = 0.0
+    for m in range(count + 1):
+        if m > 0:
+            cum += gains[order[m - 1]]
+        cost = intercept + slope * (batch + m)
+        if m > 0:
+            cost += verify_step_s
+        if shapes_known and new_shape_s > 0:
+            warm = False
+            for t in warm_tokens:
+                if t == batch + m:
+                    warm = True
+            if not warm:
+                cost += new_shape_s
+        goodput = (batch + cum) / max(cost, 1e-300)
+        if goodput > best_goodput:
+            best_goodput = goodput
+            best = m
+            best_tokens = batch + cum
+    keep = np.zeros(batch, np.int64)
+    for e in range(best):
+        keep[rows[order[e]]] += 1
+    return keep, best_goodput, best_tokens
 
 
 class GoodputController(EstimatingController):
