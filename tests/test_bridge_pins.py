@@ -456,6 +456,52 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
     assert "if num_draft_tokens[i] > 0:" in recovered
 
 
+def test_the_steps_forward_runs_in_a_forward_context_of_its_own():
+    # bridge/runner.py wrap_model_forward and tree_step.enter_forward: a tree
+    # step's plan reaches attention only through the ForwardContext that
+    # execute_model opens around _model_forward (the CPU runner's too), and
+    # which set_forward_context drops when the forward ends.
+    import ast
+    import textwrap
+
+    from vllm.config import VllmConfig
+    from vllm.forward_context import (get_forward_context,
+                                      is_forward_context_available,
+                                      set_forward_context)
+    from vllm.model_executor.layers.attention import attention
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert params(GPUModelRunner._model_forward)[0] == "self"
+    assert "_model_forward" not in vars(CPUModelRunner)
+    run = ast.parse(textwrap.dedent(inspect.getsource(GPUModelRunner.execute_model)))
+
+    def calls(node, name):
+        return [c for c in ast.walk(node) if isinstance(c, ast.Call)
+                and getattr(c.func, "attr", getattr(c.func, "id", None)) == name]
+
+    forwards = [w for w in ast.walk(run) if isinstance(w, ast.With)
+                and any(calls(item.context_expr, "set_forward_context") for item in w.items)]
+    assert len(calls(run, "_model_forward")) == 1
+    assert any(calls(ast.Module(body=w.body, type_ignores=[]), "_model_forward")
+               for w in forwards)
+    # The attention op hands impl.forward what it read from the context.
+    assert "get_forward_context()" in inspect.getsource(attention.get_attention_context)
+    op = inspect.getsource(attention.unified_attention_with_output)
+    assert op.index("get_attention_context(") < op.index("self.impl.forward(")
+    # A context per forward, with a dict of extras, and the outer one back after.
+    config = VllmConfig()
+    assert not is_forward_context_available()
+    with set_forward_context({}, config):
+        outer = get_forward_context()
+        outer.additional_kwargs = {**outer.additional_kwargs, "plan": 1}
+        with set_forward_context({}, config):
+            assert get_forward_context() is not outer
+            assert "plan" not in get_forward_context().additional_kwargs
+        assert get_forward_context().additional_kwargs["plan"] == 1
+    assert not is_forward_context_available()
+
+
 def test_cpu_attention_forward_reads_a_cache_vllm_wrote():
     # bridge/tree_step.py attend: the CPU backend writes K/V in
     # do_kv_cache_update before forward (forward_includes_kv_cache_update

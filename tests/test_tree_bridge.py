@@ -205,6 +205,58 @@ def test_attend_runs_no_vllm_attention_when_every_request_is_a_tree():
     assert not torch.any(output == 7.0)
 
 
+def test_attention_reads_the_plan_of_the_forward_running_now():
+    """A runner's plan reaches the attention layers of its own step's
+    forward only: not another runner's forward (here one run inside it, as
+    ranks sharing a process could), not a later forward, not a layer run
+    outside any forward. Everywhere else the wrapper is vLLM's forward."""
+    from vllm.config import VllmConfig
+    from vllm.forward_context import set_forward_context
+
+    from vllm_plugins.bridge import runner as bridge_runner
+    from vllm_plugins.bridge.state import attach
+
+    config = VllmConfig()
+    plan_a = make_plan([("tree", TREE_A, 3)])[0]
+    plan_b = make_plan([("tree", TREE_B, 5)])[0]
+    runner_a, runner_b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
+    attach(runner_a).tree_step = plan_a
+    attach(runner_b).tree_step = plan_b
+    seen = []
+
+    def vllm_attention(impl, layer, query, key, value, kv_cache, attn_metadata, output):
+        seen.append(("vllm", layer))
+
+    def tree_attention(plan, impl, layer, *args):
+        seen.append((plan, layer))
+
+    attention = bridge_runner.wrap_cpu_attention(vllm_attention)
+    impl = SimpleNamespace(attn_type="decoder")
+
+    def layer(name):
+        attention(impl, name, None, None, None, None, object(), None)
+
+    def model(runner, inside=None):  # two attention layers
+        layer(runner.name)
+        if inside is not None:
+            inside()
+        layer(runner.name)
+
+    model_forward = bridge_runner.wrap_model_forward(model)
+
+    def execute_model(runner, inside=None):
+        with set_forward_context({}, config):
+            model_forward(runner, inside)
+
+    with mock.patch.object(tree_step, "attend", tree_attention):
+        execute_model(runner_a, inside=lambda: execute_model(runner_b))
+        layer("outside")
+        attach(runner_a).tree_step = None  # the step sampled: a chain step next
+        execute_model(runner_a)
+    assert seen == [(plan_a, "a"), (plan_b, "b"), (plan_b, "b"), (plan_a, "a"),
+                    ("vllm", "outside"), ("vllm", "a"), ("vllm", "a")]
+
+
 def test_kv_move_puts_the_accepted_path_at_chain_slots():
     block_size, num_blocks, kv_heads, dim = 4, 32, 2, 8
     plan, _, tables, num_sched, num_comp = make_plan(

@@ -94,10 +94,16 @@ PATCHES: tuple[Patch, ...] = (
           runner.wrap_propose),
     Patch("tree.depth_positions", _RUNNER + "._prepare_inputs",
           "a step verifying tree drafts reads rotary positions by depth (the "
-          "slots stay vLLM's, by node index) and holds the step's ancestry "
+          "slots stay vLLM's, by node index) and plans the step's ancestry "
           "masks for attention",
           _PINS + "test_prepare_inputs_computes_slots_before_the_forward_reads_positions",
           runner.wrap_prepare_inputs),
+    Patch("tree.forward_plan", _RUNNER + "._model_forward",
+          "a tree step's plan enters the ForwardContext vLLM opened for the "
+          "step's forward, where the attention wrapper reads it: no other "
+          "forward, step or runner sees it",
+          _PINS + "test_the_steps_forward_runs_in_a_forward_context_of_its_own",
+          runner.wrap_model_forward),
     Patch("tree.cpu_attention",
           "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
           "in a step verifying tree drafts, tree requests attend by ancestry "
@@ -240,6 +246,9 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.config.speculative:SpeculativeConfig",
     "vllm.v1.engine.input_processor:InputProcessor.__init__",
     "vllm.forward_context:set_forward_context",
+    "vllm.forward_context:ForwardContext",
+    "vllm.forward_context:get_forward_context",
+    "vllm.forward_context:is_forward_context_available",
     "vllm.v1.attention.backend:CommonAttentionMetadata",
     "vllm.v1.worker.utils:AttentionGroup.build_metadata",
     "vllm.model_executor.layers.attention.attention:unified_kv_cache_update",

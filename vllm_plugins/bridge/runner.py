@@ -8,6 +8,8 @@ with one of our proposers:
   execute_model           -> note the step's start (the cost model's clock)
   _prepare_inputs         -> a tree step: rotary positions by depth, the
                              ancestry masks for attention (tree_step.py)
+  _model_forward          -> a tree step: its plan enters vLLM's forward
+                             context, where attention reads it
   _sample                 -> take the target's top-k per verified row
                              before vLLM samples (grammar masks applied);
                              a tree step: accept paths, move their K/V
@@ -89,10 +91,7 @@ def wrap_execute_model(original):
         finished = getattr(scheduler_output, "finished_req_ids", None)
         if finished:
             state.finished.update(finished)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            tree_step.ACTIVE = None  # the forward is over: attention is vLLM's again
+        return original(self, *args, **kwargs)
 
     return execute_model
 
@@ -143,7 +142,10 @@ def wrap_prepare_inputs(original):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = original(self, scheduler_output, num_scheduled_tokens)
         state = state_of(self)
-        if state is None or not state.trees:
+        if state is None:
+            return out
+        state.tree_step = None  # only this step's plan may reach its forward
+        if not state.trees:
             return out
         batch = self.input_batch
         total = int(scheduler_output.total_num_scheduled_tokens)
@@ -155,10 +157,24 @@ def wrap_prepare_inputs(original):
         state.tree_step = plan
         if plan is not None:
             tree_step.depth_positions(plan, self.positions)
-            tree_step.ACTIVE = plan
         return out
 
     return _prepare_inputs
+
+
+def wrap_model_forward(original):
+    # GPUModelRunner._model_forward(self, input_ids, positions, ...): the
+    # step's forward, which execute_model calls inside the ForwardContext it
+    # opened with set_forward_context (dummy and profiling runs call
+    # self.model instead). The attention wrapper has no runner to ask.
+    @functools.wraps(original)
+    def _model_forward(self, *args, **kwargs):
+        state = state_of(self)
+        if state is not None and state.tree_step is not None:
+            tree_step.enter_forward(state.tree_step)
+        return original(self, *args, **kwargs)
+
+    return _model_forward
 
 
 def wrap_cpu_attention(original):
@@ -170,7 +186,7 @@ def wrap_cpu_attention(original):
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 *args, **kwargs):
-        plan = tree_step.ACTIVE
+        plan = tree_step.of_forward()
         if plan is None or attn_metadata is None or self.attn_type != "decoder":
             return original(self, layer, query, key, value, kv_cache, attn_metadata,
                             output, *args, **kwargs)

@@ -12,8 +12,9 @@ each request whose scheduled drafts are a prefix of the tree we recorded:
    index (its slot mapping from positions ``num_computed + i`` already gives
    every node a slot of its own); the rotary positions the model reads are
    rewritten to ``num_computed + depth`` (the root, the request's last
-   committed token, at depth 0). ``ACTIVE`` then holds the step's ancestry
-   masks for the attention wrapper until the forward returns.
+   committed token, at depth 0). The runner's forward hands the plan to
+   attention through vLLM's forward context (``enter_forward``), which
+   vLLM opens for that forward alone.
 2. ``attend`` (in place of vLLM's attention of each layer): the rows of
    tree requests come from ``kernels.tree_attention`` (each node sees the
    committed prefix, its ancestors and itself), the other requests' from
@@ -132,9 +133,29 @@ class TreeStep:
     attention: dict = field(default_factory=dict)
 
 
-# The step being run: set by the runner's _prepare_inputs wrapper, cleared
-# when execute_model returns; read by the attention wrapper.
-ACTIVE: TreeStep | None = None
+# Where a forward's plan sits in vLLM's ForwardContext.additional_kwargs.
+FORWARD_KEY = "vllm_plugins.tree_step"
+
+
+def enter_forward(step: TreeStep) -> None:
+    """Makes ``step`` the plan of the forward vLLM is running. vLLM opens a
+    ForwardContext per forward and drops it after, so the plan reaches this
+    forward's attention layers only: not a later step's, not a draft
+    forward's, not another runner's. The context gets a dict of its own
+    rather than an entry in one its platform may share."""
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    context.additional_kwargs = {**context.additional_kwargs, FORWARD_KEY: step}
+
+
+def of_forward() -> TreeStep | None:
+    """The plan of the forward running now (None outside a tree step)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    return get_forward_context().additional_kwargs.get(FORWARD_KEY)
 
 
 def step_mask(parents_list, query_lens) -> torch.Tensor:
