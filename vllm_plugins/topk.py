@@ -6,11 +6,11 @@ of that work grow with the vocabulary, and on CPU they are most of the
 bridge's own work on an awake step:
 
 - The ids. ``torch.topk`` over the whole row is slow on CPU. Here the
-  vocabulary is cut into blocks of ``BLOCK`` logits: one pass takes every
-  block's maximum, the k best blocks are the only ones that can hold a
-  top-k logit (each holds at least one logit at or above the k-th largest,
-  and there are at most k such blocks), and the exact top-k is taken among
-  their ``k * BLOCK`` logits.
+  vocabulary is cut into blocks of ``BLOCK`` logits: one pass (torch's)
+  takes every block's maximum, the k best blocks are the only ones that can
+  hold a top-k logit (each holds at least one logit at or above the k-th
+  largest, and there are at most k such blocks), and the exact top-k is
+  taken among their ``k * BLOCK`` logits, in one compiled loop.
 - The log-probabilities need each row's normaliser, a pass of ``exp`` over
   the whole row that nothing avoids. A ``log_softmax`` of all rows at once
   writes a fresh [rows, vocab] float32 tensor only to read k values of each
@@ -33,7 +33,10 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
+
+from vllm_plugins.proposers.jit import cached_njit
 
 BLOCK = 64
 # log_softmax output per chunk of rows (at least one row per thread).
@@ -72,8 +75,8 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids of the k largest logits of every row of a contiguous CPU
-    tensor, largest first, by the block maxima."""
+    """The ids of the k largest logits of every row of a contiguous float32
+    CPU tensor, largest first, by the block maxima."""
     rows, vocab = logits.shape
     blocks = vocab // BLOCK
     if blocks <= k:
@@ -81,17 +84,53 @@ def topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
     # Block j holds columns j * BLOCK .. (j + 1) * BLOCK - 1: any partition
     # is exact, and at a 262k vocabulary contiguous blocks reduce faster
     # than strided ones (every blocks-th column).
-    body = logits[:, :blocks * BLOCK].view(rows, blocks, BLOCK)
-    best = torch.topk(body.amax(2), k, dim=-1).indices                # (rows, k)
-    cand = torch.gather(body, 1, best[:, :, None].expand(rows, k, BLOCK))
-    cand_ids = (best[:, :, None] * BLOCK
-                + torch.arange(BLOCK, device=logits.device)[None, None, :])
-    cand, cand_ids = cand.reshape(rows, -1), cand_ids.reshape(rows, -1)
-    if vocab > blocks * BLOCK:  # the last, partial block: always a candidate
-        cand = torch.cat([cand, logits[:, blocks * BLOCK:]], 1)
-        cand_ids = torch.cat([cand_ids, torch.arange(
-            blocks * BLOCK, vocab, device=logits.device).expand(rows, -1)], 1)
-    return cand_ids.gather(1, torch.topk(cand, k, dim=-1).indices)
+    maxima = logits[:, :blocks * BLOCK].view(rows, blocks, BLOCK).amax(2)
+    ids = np.empty((rows, k), dtype=np.int64)
+    _topk_of_best_blocks(logits.numpy(), maxima.numpy(), k, BLOCK, ids)
+    return torch.from_numpy(ids)
+
+
+@cached_njit
+def _insert(values, ids, filled, k, value, index):
+    """Put ``value`` into the descending top-k ``values`` (``filled`` of
+    them so far); an equal value stays behind the ones before it."""
+    if filled < k:
+        j = filled
+    elif value > values[k - 1]:
+        j = k - 1
+    else:
+        return filled
+    while j > 0 and values[j - 1] < value:
+        values[j] = values[j - 1]
+        ids[j] = ids[j - 1]
+        j -= 1
+    values[j] = value
+    ids[j] = index
+    return min(filled + 1, k)
+
+
+@cached_njit
+def _topk_of_best_blocks(logits, maxima, k, block, out):
+    """Per row, the k best blocks by their maxima, then the top-k of their
+    logits and of the last, partial block: one compiled pass where torch
+    took a dozen small ops (their dispatch, not the arithmetic, was the
+    cost at the few rows of a small batch)."""
+    rows, vocab = logits.shape
+    blocks = maxima.shape[1]
+    best_values = np.empty(k, np.float32)
+    best_blocks = np.empty(k, np.int64)
+    values = np.empty(k, np.float32)
+    for r in range(rows):
+        filled = 0
+        for b in range(blocks):
+            filled = _insert(best_values, best_blocks, filled, k, maxima[r, b], b)
+        chosen = np.sort(best_blocks[:filled])   # ties: the lower index first
+        filled = 0
+        for b in chosen:
+            for i in range(b * block, (b + 1) * block):
+                filled = _insert(values, out[r], filled, k, logits[r, i], i)
+        for i in range(blocks * block, vocab):
+            filled = _insert(values, out[r], filled, k, logits[r, i], i)
 
 
 def chunk_buffer(rows: int, vocab: int) -> torch.Tensor:
