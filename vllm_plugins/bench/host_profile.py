@@ -67,7 +67,7 @@ TOPK = "top-k stash"
 # The bridge's patches that run in every step (vllm_plugins.bridge.patches):
 # each wrapper's own code is ours, the vLLM function it wraps is vLLM's.
 STEP_PATCHES = ("runner.step_clock", "runner.verified_topk", "runner.propose",
-                "tree.depth_positions", "tree.cpu_attention", "verify.bonus_rows",
+                "tree.depth_positions", "tree.forward_plan", "tree.cpu_attention", "verify.bonus_rows",
                 "verify.target_rows", "verify.bonus_min_tokens",
                 "grammar.send_held_specs", "grammar.worker_compiles_held_specs",
                 "grammar.report_matcher_errors", "grammar.end_on_matcher_errors",

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from vllm import forward_context
 
 from vllm_plugins.kernels.cache_layout import cpu_cache_views, layout_refusal
 from vllm_plugins.kernels.kv_move import move_kv_layers
@@ -143,19 +144,16 @@ def enter_forward(step: TreeStep) -> None:
     forward's attention layers only: not a later step's, not a draft
     forward's, not another runner's. The context gets a dict of its own
     rather than an entry in one its platform may share."""
-    from vllm.forward_context import get_forward_context
-
-    context = get_forward_context()
+    context = forward_context.get_forward_context()
     context.additional_kwargs = {**context.additional_kwargs, FORWARD_KEY: step}
 
 
 def of_forward() -> TreeStep | None:
-    """The plan of the forward running now (None outside a tree step)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
+    """The plan of the forward running now (None outside a tree step).
+    Every attention layer asks, every step: the module is bound once."""
+    if not forward_context.is_forward_context_available():
         return None
-    return get_forward_context().additional_kwargs.get(FORWARD_KEY)
+    return forward_context.get_forward_context().additional_kwargs.get(FORWARD_KEY)
 
 
 def step_mask(parents_list, query_lens) -> torch.Tensor:
