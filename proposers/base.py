@@ -239,14 +239,16 @@ def request_draft_cap(request: RequestStep) -> int | None:
 
 
 def cap_requests(ctx: StepContext, drafts: Drafts) -> Drafts:
-    """Every request's drafts cut to its own cap, whatever drafted them (a
-    prefix of a tree is a tree): a request's ``max_draft`` holds for every
-    method."""
+    """Every request's drafts cut to its own cap and to the step's
+    ``max_draft``, whatever drafted them (a prefix of a tree is a tree): a
+    request's ``max_draft`` holds for every method, and ``proposed`` then
+    records only drafts the runner will verify."""
     keep = [len(t) for t in drafts.tokens]
     capped = False
     for i, r in enumerate(ctx.requests[:len(keep)]):
         cap = request_draft_cap(r)
-        if cap is not None and cap < keep[i]:
+        cap = ctx.max_draft if cap is None else min(cap, ctx.max_draft)
+        if cap < keep[i]:
             keep[i], capped = cap, True
     return trim(drafts, keep) if capped else drafts
 

@@ -106,3 +106,19 @@ def test_v2_runner_samples_through_its_sampler_attributes():
     for name in ("self.all_token_ids", "self.total_len", "self.prompt_len",
                  "self.req_id_to_index"):
         assert name in state, name
+
+
+def test_v2_hands_the_drafter_the_steps_k_and_verifies_no_more():
+    """V2's scheduler may pick the step's k by batch size
+    (``num_speculative_tokens_per_batch_size``); the runner passes it to
+    ``propose`` as ``num_speculative_tokens`` (our step's ``max_draft``,
+    ``bridge/v2/speculator.py``) and marks the drafts past it -1."""
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    assert "num_speculative_tokens_per_batch_size" in SpeculativeConfig.__dataclass_fields__
+    tokens = inspect.getsource(GPUModelRunner.sample_tokens)
+    call = tokens[tokens.index("self.speculator.propose("):]
+    assert "num_speculative_tokens=num_spec_tokens," in call[:call.index(")")]
+    assert "draft_tokens[:, num_spec_tokens:] = -1" in tokens
+    assert "num_spec_tokens = self.execute_model_state.num_spec_tokens_to_schedule" in tokens

@@ -105,3 +105,34 @@ def test_version_gate_names_both_versions(version):
 def test_rules_between_options_are_checked_before_a_model_loads(spec):
     with pytest.raises(ValueError, match="'prompt_lookup_min' of method '.*ngram_adaptive"):
         translate(spec)
+
+
+SCHEDULE = [[1, 1, 2], [2, 64, 1]]
+
+
+def test_the_batch_size_schedule_is_vllms_and_passes_through():
+    from vllm_plugins.registry import VLLM_FIELDS_BY_RELEASE, vllm_speculative_fields
+
+    # Every vLLM the bridge is checked against has it (0.32 and 0.33).
+    assert set(VLLM_FIELDS_BY_RELEASE) <= vllm_speculative_fields()
+    spec, opts = translate({"method": "token_recycling", "num_speculative_tokens": 2,
+                            "num_speculative_tokens_per_batch_size": SCHEDULE})
+    assert spec["num_speculative_tokens_per_batch_size"] == SCHEDULE
+    assert "num_speculative_tokens_per_batch_size" not in opts
+    spec, _ = translate({"method": "stand",
+                         "num-speculative-tokens-per-batch-size": SCHEDULE})
+    assert spec["num_speculative_tokens_per_batch_size"] == SCHEDULE
+
+
+def test_a_vllm_without_the_schedule_refuses_it_by_name(monkeypatch):
+    import vllm
+
+    from vllm_plugins import registry
+
+    fields = registry.vllm_speculative_fields() - {"num_speculative_tokens_per_batch_size"}
+    monkeypatch.setattr(registry, "vllm_speculative_fields", lambda: fields)
+    with pytest.raises(ValueError, match="'num_speculative_tokens_per_batch_size'") as err:
+        translate({"method": "token_recycling",
+                   "num_speculative_tokens_per_batch_size": SCHEDULE})
+    assert f"vLLM {vllm.__version__}" in str(err.value)
+    assert "unknown" not in str(err.value)

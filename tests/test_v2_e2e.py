@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.v2_engines import V1_METHODS, V2_METHODS
+from tests.v2_engines import STEP_K_SPECS, V1_METHODS, V2_METHODS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +72,25 @@ def test_drafts_are_verified_and_accepted_on_v2(greedy):
 def test_what_v2_cannot_serve_falls_back_to_v1(greedy, method):
     assert greedy[method]["runner"] == "v1"
     assert greedy[method]["tokens"] == greedy["plain"]["tokens"]
+
+
+@pytest.fixture(scope="module")
+def step_k(tmp_path_factory):
+    return run_scenario("step_k", tmp_path_factory.mktemp("v2"))
+
+
+@pytest.mark.parametrize("method", sorted(STEP_K_SPECS))
+def test_the_steps_k_by_batch_size_keeps_plain_decodings_output_on_v2(step_k, method):
+    """vLLM's ``num_speculative_tokens_per_batch_size`` through our method's
+    speculative config: V2 verifies 1 draft a request while the batch is
+    larger than one and 2 once it is one, and the output is plain V2's."""
+    got = step_k[method]
+    assert step_k["plain"]["runner"] == "v2" and got["runner"] == "v2"
+    assert got["tokens"] == step_k["plain"]["tokens"]
+    # Both ks were verified (a draft a request at most 2, not always 2).
+    assert got["drafts"] < got["draft_tokens"] < 2 * got["drafts"]
+    assert got["stats"]["proposer"]["num_errors"] == 0
+    assert got["stats"]["malformed_drafts"] == 0
 
 
 @pytest.fixture(scope="module")

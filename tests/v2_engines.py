@@ -9,6 +9,7 @@ after the other, and reads back one JSON object:
     python -m tests.v2_engines greedy   # tiny model: every method vs plain V2
     python -m tests.v2_engines preempted  # tiny model: preemption and an abort
     python -m tests.v2_engines draft_logits  # V2's rejection sampler, our rows
+    python -m tests.v2_engines step_k     # tiny model: the step's k by batch size
 
 V2's own kernels run in Triton's interpreter here, so the scenarios keep to
 short outputs; the tiny model is enough where only exactness is asked.
@@ -101,6 +102,55 @@ def greedy(tmp: str) -> dict:
                          "grammar_text": results[-1].outputs[0].text,
                          "vllm_accepted": accepted_by_vllm(llm) if spec else 0,
                          "stats": engine_stats(llm) if spec else {}}
+        finally:
+            shutdown_all([llm])
+    return out
+
+
+def vllm_count(llm, name: str) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == name))
+
+
+# The step's k chosen by batch size (vLLM's num_speculative_tokens_per_batch_size):
+# 2 for a batch of one, 1 above. Requests of different lengths make the
+# batch shrink to one mid-way, so both ks are drafted and verified.
+STEP_K_SCHEDULE = [[1, 1, 2], [2, 64, 1]]
+STEP_K_TOKENS = [20, 6, 8, 4, 6]
+# min_confidence 0: the tiny model's flat distributions would stop every chain.
+STEP_K_SPECS = {
+    "token_recycling": {"method": "token_recycling", "draft_length": "acceptance",
+                        "min_confidence": 0.0},
+    "token_recycling_device": {"method": "token_recycling", "tables": "device",
+                               "min_confidence": 0.0},
+}
+
+
+def step_k(tmp: str) -> dict:
+    from vllm import SamplingParams
+
+    from tests.tiny_model import tiny_llama
+    from vllm_plugins.bench.engines import build_engine, engine_stats, shutdown_all
+
+    path = tiny_llama(os.path.join(tmp, "untied"))
+    prompts = [{"prompt_token_ids": p} for p in tiny_prompts()]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in STEP_K_TOKENS]
+    out: dict = {}
+    for name, spec in {"plain": None, **STEP_K_SPECS}.items():
+        if spec is not None:
+            spec = {**spec, "num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": STEP_K_SCHEDULE}
+        llm = build_engine(path, spec, max_num_seqs=8, max_model_len=512)
+        try:
+            results = llm.generate(prompts, params, use_tqdm=False)
+            out[name] = {"runner": runner_of(llm),
+                         "tokens": [list(r.outputs[0].token_ids) for r in results]}
+            if spec is not None:
+                out[name].update(
+                    drafts=vllm_count(llm, "vllm:spec_decode_num_drafts"),
+                    draft_tokens=vllm_count(llm, "vllm:spec_decode_num_draft_tokens"),
+                    accepted=vllm_count(llm, "vllm:spec_decode_num_accepted_tokens"),
+                    stats=engine_stats(llm))
         finally:
             shutdown_all([llm])
     return out
@@ -227,7 +277,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     scenario, tmp = sys.argv[1], sys.argv[2]
     result = {"greedy": greedy, "preempted": preempted,
-              "draft_logits": draft_logits}[scenario](tmp)
+              "draft_logits": draft_logits, "step_k": step_k}[scenario](tmp)
     print("V2_ENGINES_RESULT " + json.dumps(result), flush=True)
 
 

@@ -52,6 +52,14 @@ BY_CLASS_PATH.update({
     "vllm_plugins.proposers.vllm_ngram.AdaptiveNgramProposer": METHODS["ngram_adaptive"],
     "vllm_plugins.proposers.layer_skip.dynamic_exit.DynamicExitProposer": METHODS["del"],
 })
+# vLLM SpeculativeConfig fields our methods pass through to vLLM that a
+# vLLM release may lack, with what each does: on such a vLLM the key is
+# refused by name rather than read as an unknown option of ours.
+VLLM_FIELDS_BY_RELEASE = {
+    "num_speculative_tokens_per_batch_size":
+        "the step's num_speculative_tokens chosen by batch size (dynamic "
+        "speculative decoding, served by Model Runner V2)",
+}
 # Names vLLM has taken or is taking upstream (an open prototype uses
 # "grammar"): where vLLM does not define them, a user who types one learns ours.
 RENAMED = {"grammar": "grammar_forced"}
@@ -120,6 +128,15 @@ def translate(user: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
     cls = method.proposer_class()
     declared = {o.name for o in cls.OPTIONS}
     vllm_fields = vllm_speculative_fields()
+    missing = sorted(set(user) & (set(VLLM_FIELDS_BY_RELEASE) - vllm_fields - declared))
+    if missing:
+        import vllm
+
+        key = missing[0]
+        raise ValueError(
+            f"speculative_config '{key}' ({VLLM_FIELDS_BY_RELEASE[key]}) is a vLLM "
+            f"option that vLLM {vllm.__version__} does not have; remove it, or use a "
+            f"vLLM whose SpeculativeConfig has it")
     # A declared option wins over a vLLM field of the same name.
     ours = {k: v for k, v in user.items() if k not in vllm_fields or k in declared}
     rest = {k: v for k, v in user.items() if k not in ours}

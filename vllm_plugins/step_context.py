@@ -64,7 +64,10 @@ class StepContext:
     requests: list[RequestStep]
     # Requests that finished or were aborted since the previous step.
     finished: set[str] = field(default_factory=set)
-    # The configured num_speculative_tokens: the longest draft vLLM schedules.
+    # The longest draft vLLM verifies of this step's: the configured
+    # num_speculative_tokens, or the step's k where the runner picks one by
+    # batch size (Model Runner V2 with vLLM's
+    # num_speculative_tokens_per_batch_size; 0: no drafts this step).
     max_draft: int = 1
     # Seconds the engine spent on the previous step (forward + sampling), if known.
     last_step_seconds: float | None = None

@@ -65,7 +65,14 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def build_context(req_states, input_batch, num_sampled: torch.Tensor,
                   topk: VerifiedTopk | None, book: RequestBook, max_draft: int,
-                  times: StepTimes) -> StepContext:
+                  times: StepTimes, step_max_draft: int | None = None) -> StepContext:
+    """``max_draft``: the engine's ``num_speculative_tokens`` (a request's
+    own ``max_draft`` is checked against it). ``step_max_draft``: the step's
+    k where V2's scheduler chose a smaller one; the context's ``max_draft``.
+
+    ``num_draft`` is read from the rows V2 verified (``cu_num_logits``),
+    not from what we sent: drafts the scheduler did not schedule are
+    neither accepted nor rejected."""
     from vllm_plugins.bridge.step import group_of
 
     num_reqs = int(input_batch.num_reqs)
@@ -110,7 +117,7 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
     return StepContext(
         requests=requests,
         finished=finished,
-        max_draft=max_draft,
+        max_draft=max_draft if step_max_draft is None else step_max_draft,
         last_step_seconds=times.step_seconds,
         last_step_tokens=int(input_batch.num_tokens),
         last_propose_seconds=times.propose_seconds,

@@ -12,7 +12,11 @@ already knows: which requests are new to their row (request ids against
 mirror of ``prefill_len``.
 
 Draft length on this route is V2's k, every step; the draft-length
-controllers read host figures, so they do not run here.
+controllers read host figures, so they do not run here. Where the step's k
+is smaller (vLLM's ``num_speculative_tokens_per_batch_size``), the whole
+row is drafted and V2 marks the entries past k -1 itself: the tables learn
+only the rows V2 verifies (``cu_num_logits``), so a draft V2 cut teaches
+nothing, and the walk's length stays a static shape.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ class DeviceSpeculator(V2Drafter):
             self._top1 = (ids, best - torch.logsumexp(x, dim=-1))
 
     def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
-              last_sampled: torch.Tensor) -> torch.Tensor:
+              last_sampled: torch.Tensor, step_k: int) -> torch.Tensor:
         top1, self._top1 = self._top1, None
         if top1 is None:
             return torch.zeros(num_reqs, self.num_speculative_steps, dtype=torch.int64,

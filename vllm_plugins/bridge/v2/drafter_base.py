@@ -61,13 +61,24 @@ class V2Drafter:
                 dummy_run: bool = False, skip_attn_for_dummy_run: bool = False,
                 mm_inputs=None, is_profile: bool = False,
                 num_speculative_tokens: int | None = None) -> torch.Tensor:
-        """``[num_reqs, k]`` int64 drafts, every entry a token id."""
+        """``[num_reqs, k]`` int64 drafts, every entry a token id.
+
+        ``num_speculative_tokens``: the step's k, where the scheduler chose
+        one below the engine's (vLLM's ``num_speculative_tokens_per_batch_size``,
+        picked by batch size): V2 verifies only the first that many of each
+        row next step. Rows stay the engine's k wide (V2 stores them whole
+        and marks the entries past the step's k -1)."""
         num_reqs = int(input_batch.num_reqs)
         if dummy_run or is_profile:
             return torch.zeros(num_reqs, self.num_speculative_steps, dtype=torch.int64,
                                device=self.device)
-        return self.draft(input_batch, num_reqs, num_sampled, last_sampled)
+        step_k = self.num_speculative_steps
+        if num_speculative_tokens is not None:
+            step_k = max(0, min(int(num_speculative_tokens), step_k))
+        return self.draft(input_batch, num_reqs, num_sampled, last_sampled, step_k)
 
     def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
-              last_sampled: torch.Tensor) -> torch.Tensor:
+              last_sampled: torch.Tensor, step_k: int) -> torch.Tensor:
+        """The step's ``[num_reqs, num_speculative_steps]`` drafts, of which
+        V2 verifies the first ``step_k`` of each row."""
         raise NotImplementedError

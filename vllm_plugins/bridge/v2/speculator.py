@@ -10,7 +10,12 @@ and returns them as V2 wants them: ``[num_reqs, k]`` token ids.
 V2 verifies k tokens of every request every step (its scheduler reserves
 them and sees placeholders), so a request's shorter draft is padded: with
 its last token, repeated. Any token is an exact draft (verification is
-vLLM's), and the padding is verified at no extra cost to the step.
+vLLM's), and the padding is verified at no extra cost to the step. The k
+is batch-wide: the engine's ``num_speculative_tokens``, or the step's where
+vLLM picks one by batch size (``num_speculative_tokens_per_batch_size``).
+The step's k is the context's ``max_draft``, so the controllers choose
+within it and the proposer sends (and remembers sending) no more than V2
+verifies.
 """
 
 from __future__ import annotations
@@ -66,8 +71,7 @@ class PluginSpeculator(V2Drafter):
         self.book.params_by_index[int(req_index)] = sampling_params
 
     def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
-              last_sampled: torch.Tensor) -> torch.Tensor:
-        k = self.num_speculative_steps
+              last_sampled: torch.Tensor, step_k: int) -> torch.Tensor:
         # The step's seconds: from our last proposal to this one (V2's
         # scheduling and output handling included: V1 reports those apart).
         now = time.perf_counter()
@@ -77,16 +81,19 @@ class PluginSpeculator(V2Drafter):
         topk, self._topk = self._topk, None
         ctx = build_context(self.req_states, input_batch, num_sampled, topk, self.book,
                             self.proposer.max_draft,
-                            StepTimes(step_seconds, propose_seconds, topk_seconds))
+                            StepTimes(step_seconds, propose_seconds, topk_seconds),
+                            step_max_draft=step_k)
         self.state.counters.count([list(r.accepted) for r in ctx.requests],
                                   [r.num_draft for r in ctx.requests])
         start = time.perf_counter()
         drafts = self.proposer.step(ctx)
         self._propose_seconds = time.perf_counter() - start
-        tokens = self._checked_chains(ctx, drafts)
+        # A drafter that does not read ctx.max_draft still sends no draft V2
+        # would not verify.
+        tokens = [t[:step_k] for t in self._checked_chains(ctx, drafts)]
         if self.state.digest is not None:
             self.state.digest.add(ctx, tokens, drafts.probs)
-        out = self._padded(ctx, tokens, k)
+        out = self._padded(ctx, tokens, self.num_speculative_steps)
         self.draft_logits = self._draft_logits(ctx, input_batch, drafts, tokens, out)
         self._propose_end = time.perf_counter()
         return torch.from_numpy(out).to(self.device)
@@ -131,6 +138,8 @@ class PluginSpeculator(V2Drafter):
 
     @staticmethod
     def _padded(ctx, tokens: list[list[int]], k: int) -> np.ndarray:
+        """``[requests, k]``: each draft, then its last token (the request's
+        last token where it drafted nothing) to the end of the row."""
         out = np.empty((len(ctx.requests), k), dtype=np.int64)
         for b, (req, draft) in enumerate(zip(ctx.requests, tokens)):
             draft = draft[:k]
