@@ -33,15 +33,17 @@ the last merged tree until its outcome is read.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_plugins.options import Option, choice, resolve
+from vllm_plugins.options import Option, choice, flag, resolve
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.proposers.sources import SourceTree, default_sources, source_class
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
+from vllm_plugins.proposers.sources.costs import SourceCosts
 from vllm_plugins.proposers.sources.merge import MAX_SOURCES, MergedStep, Merger, StepTrees
 from vllm_plugins.proposers.sources.merge import warm_up as warm_up_merge
 from vllm_plugins.proposers.sources.request import chosen_sources
@@ -69,6 +71,7 @@ class HybridProposer(PluginProposer):
         Option("sources", None, (list, tuple, type(None))),
         Option("source_options", None, (dict, type(None))),
         choice("draft_shape", "tree", ("tree", "chain")),
+        flag("source_costs", True),
     )
     DEFAULT_NUM_SPECULATIVE_TOKENS = 16
     CAN_REST = True        # every source catches up from the context itself
@@ -148,6 +151,7 @@ class HybridProposer(PluginProposer):
         self.source_accepted = np.zeros(k, np.int64)   # accepted tokens it proposed
         self.source_alone = np.zeros(k, np.int64)      # ... that no other source proposed
         self.request_errors = 0
+        self.costs = SourceCosts(k, self.options["source_costs"])
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -169,6 +173,25 @@ class HybridProposer(PluginProposer):
                                  "out (logged once, counted in metrics()['sources'])",
                                  self.source_names[k], what)
             return None
+
+    def _count_costs(self, ctx: StepContext) -> None:
+        """The drafts of the last drafting step against what they cost: the
+        step that verified them (its tokens and seconds, the proposer's
+        included: the engine waits for it) and the tokens only each source
+        proposed (``_learn_outcomes``), against each source's time since."""
+        seconds = None
+        if ctx.last_step_seconds is not None:
+            seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
+        self.costs.end_step(sum(len(r.accepted) for r in ctx.requests), seconds,
+                            self.source_alone)
+
+    def _timed(self, k: int, what: str, fn, *args):
+        """``_guard``, its time counted to source k."""
+        start = time.perf_counter()
+        try:
+            return self._guard(k, what, fn, *args)
+        finally:
+            self.costs.add(k, time.perf_counter() - start)
 
     def _request_options(self, r: RequestStep) -> tuple[int | None, tuple[int, ...]]:
         """(draft cap, source indices) of a request's parsed
@@ -196,8 +219,11 @@ class HybridProposer(PluginProposer):
         """Learn, collect every drafting request's source trees, merge them
         all in one call (``Merger.merge_step``), lay out the drafts."""
         self._learn_outcomes(ctx)
+        self._count_costs(ctx)
+        on = self.costs.on
         for k, s in enumerate(self.sources):
-            self._guard(k, "learn", s.learn, ctx)
+            if on[k]:
+                self._timed(k, "learn", s.learn, ctx)
         n = len(ctx.requests)
         tokens: list[list[int]] = [[] for _ in range(n)]
         conf: list[np.ndarray | None] = [None] * n
@@ -212,7 +238,9 @@ class HybridProposer(PluginProposer):
                 continue
             before = len(trees)
             for k in active:
-                t = self._guard(k, "propose", self._propose, k, r, budget)
+                if not on[k]:
+                    continue
+                t = self._timed(k, "propose", self._propose, k, r, budget)
                 if t is not None:
                     trees.append((k, t))
             if len(trees) > before:
@@ -288,8 +316,10 @@ class HybridProposer(PluginProposer):
             self.calibrator.learn(src, depth, c, out)
 
     def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
+        on = self.costs.on
         for k, s in enumerate(self.sources):
-            self._guard(k, "sent", s.sent, ctx, drafts)
+            if on[k]:
+                self._timed(k, "sent", s.sent, ctx, drafts)
 
     def free(self, req_id: str) -> None:
         self._merged.pop(req_id, None)
@@ -300,18 +330,21 @@ class HybridProposer(PluginProposer):
         out = super().counters()
         for metric, values in (("source_draft_nodes", self.source_nodes),
                                ("source_accepted_tokens", self.source_accepted),
-                               ("source_errors", self.source_errors)):
+                               ("source_errors", self.source_errors),
+                               ("source_off_steps", self.costs.off_steps)):
             out[metric] = {name: int(values[k]) for k, name in enumerate(self.source_names)}
         return out
 
     def metrics(self) -> dict:
         out = super().metrics()
         out["request_errors"] = self.request_errors
+        costs = self.costs.table(self.source_names)
         out["sources"] = {
             name: {"nodes": int(self.source_nodes[k]),
                    "accepted": int(self.source_accepted[k]),
                    "accepted_alone": int(self.source_alone[k]),
                    "errors": int(self.source_errors[k]),
-                   "acceptance_by_depth": self.calibrator.table(k)[:8]}
+                   "acceptance_by_depth": self.calibrator.table(k)[:8],
+                   **costs[name]}
             for k, name in enumerate(self.source_names)}
         return out

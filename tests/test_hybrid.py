@@ -257,6 +257,7 @@ def test_calibration_learns_which_source_is_right():
     p.sources = [Fixed({"token": 1}, VOCAB, 4), Fixed({"token": 2}, VOCAB, 4)]
     p.source_names = ("wrong", "right")
     p.merger, p.calibrator = Merger(2), type(p.calibrator)(2, 4)
+    p.costs = type(p.costs)(2)
     for name in ("source_errors", "source_nodes", "source_accepted", "source_alone"):
         setattr(p, name, np.zeros(2, int))
     context, emitted = [9, 9], [9]

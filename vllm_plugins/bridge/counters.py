@@ -76,6 +76,9 @@ METRICS: tuple[Metric, ...] = (
            "source"),
     Metric("source_errors", "Calls into a hybrid source that raised (its candidates dropped).",
            "source"),
+    Metric("source_off_steps",
+           "Steps a hybrid source was switched off: its host time outweighed the "
+           "tokens only it brought.", "source"),
     Metric("grammar_failures",
            "Requests ended with finish reason error because their grammar could not "
            "follow the output (the grammar logits processor's requests)."),
