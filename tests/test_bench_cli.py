@@ -177,3 +177,24 @@ def test_the_demo_drops_vllms_triton_line_and_passes_the_rest_as_it_comes():
     run = subprocess.run([sys.executable, str(ROOT / "scripts/drop_line.py"), TRITON_LINE],
                          input=stream, capture_output=True, timeout=60)
     assert run.returncode == 0 and run.stdout == want, run.stderr
+
+
+def test_second_turns_put_the_first_answer_in_the_conversation():
+    """``--turn 2``: only two-turn questions, each rendered as its first
+    turn, the answer given, then its second turn."""
+    from vllm_plugins.bench.data import render, second_turns
+
+    class Chat:
+        def apply_chat_template(self, msgs, tokenize, add_generation_prompt):
+            return "|".join(f"{m['role']}:{m['content']}" for m in msgs)
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": text}
+
+    questions = [{"turns": ["a?"]}, {"turns": ["b?", "c?"]}, {"turns": ["d?", "e?"]}]
+    asked = []
+    out = second_turns(questions, lambda qs: asked.extend(qs) or ["B", "D"])
+    assert asked == questions[1:]
+    assert [render(Chat(), q) for q in out] == ["user:b?|assistant:B|user:c?",
+                                               "user:d?|assistant:D|user:e?"]
+    assert render(Chat(), questions[1]) == "user:b?"

@@ -61,6 +61,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=2, help="batches run untimed first")
     p.add_argument("--compile", action="store_true", help="inductor, not eager")
+    p.add_argument("--turn", type=int, choices=(1, 2), default=1,
+                   help="2: the two-turn questions' second turn, after the first "
+                        "and the target's own greedy answer to it (--max-tokens)")
     p.add_argument("--quick", action="store_true",
                    help="2 prompts per category, 128 tokens: a short demo")
     p.add_argument("--host-time", action="store_true",
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
     from tqdm import tqdm
     from vllm import SamplingParams
 
-    from vllm_plugins.bench.data import disjoint_sets, render
+    from vllm_plugins.bench.data import disjoint_sets, render, second_turns
     from vllm_plugins.bench.engines import (acceptance_between, build_engine,
                                            engine_stats, resolve_model, run_batch)
     from vllm_plugins.bench.report import (Tally, controller_delta,
@@ -189,6 +192,11 @@ def main(argv=None) -> int:
     tok = engines[methods[0]].get_tokenizer()
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                             seed=0 if args.temperature > 0 else None)
+    if args.turn == 2:
+        # Plain decoding answers where it runs: no proposer learns the answers.
+        answerer = engines.get("none", engines[methods[0]])
+        sets = [second_turns(s, _first_answers(answerer, tok, args.max_tokens))
+                for s in sets]
     runs = methods + ([RERUN] if args.aa else [])
     greedy = args.temperature == 0
     # Warm caches and allocators, untimed, on prompts outside every measured
@@ -249,6 +257,22 @@ def main(argv=None) -> int:
         print(controller_markdown(controllers))
         print(tree_markdown(controllers))
     return 0
+
+
+def _first_answers(engine, tok, max_tokens: int):
+    """``answer`` for ``second_turns``: the engine's greedy first answers
+    (speculation does not change them), as text."""
+    from vllm import SamplingParams
+
+    from vllm_plugins.bench.data import render
+    from vllm_plugins.bench.engines import run_batch
+
+    def answer(questions):
+        results, _ = run_batch(engine, [render(tok, q) for q in questions],
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        return [tok.decode(r.token_ids, skip_special_tokens=True) for r in results]
+
+    return answer
 
 
 def host_columns(spent: dict, method: str) -> dict:

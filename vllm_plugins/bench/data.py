@@ -41,8 +41,13 @@ def load_questions(categories: list[str] | None = None,
 
 
 def render(tokenizer, question: dict) -> list[int]:
-    """First turn as a chat prompt, as token ids."""
+    """First turn as a chat prompt, as token ids; where the question holds
+    its ``first_answer`` (``second_turns``), the second turn after the
+    first and its answer."""
     msgs = [{"role": "user", "content": question["turns"][0]}]
+    if "first_answer" in question:
+        msgs += [{"role": "assistant", "content": question["first_answer"]},
+                 {"role": "user", "content": question["turns"][1]}]
     text = tokenizer.apply_chat_template(msgs, tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -73,3 +78,12 @@ def disjoint_sets(categories: list[str] | None, counts: list[int | None]
         sets.append(out)
     left = [q for c, qs in by_cat.items() for q in qs[taken[c]:]]
     return sets, left
+
+
+def second_turns(questions: list[dict], answer) -> list[dict]:
+    """The two-turn questions among ``questions``, each with its
+    ``first_answer``: ``answer(questions)`` gives the texts in order (the
+    target's own greedy answers, so the second turn reads the conversation
+    it would have had)."""
+    two = [q for q in questions if len(q["turns"]) >= 2]
+    return [{**q, "first_answer": a} for q, a in zip(two, answer(two))]
