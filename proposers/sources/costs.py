@@ -21,10 +21,10 @@ all.
 
 from __future__ import annotations
 
-import numpy as np
-
-
 class SourceCosts:
+    """Plain lists, not arrays: a handful of sources, every step, where
+    numpy's dispatch would cost more than the arithmetic."""
+
     HALF_LIFE = 64.0   # steps
     WARMUP = 32        # steps measured before any source goes off
     PROBE_GAP = 256    # steps an off source stays off
@@ -32,72 +32,85 @@ class SourceCosts:
 
     def __init__(self, count: int, enabled: bool = True):
         self.enabled = enabled
-        self.on = np.ones(count, dtype=bool)
+        self.on = [True] * count
         self._decay = 0.5 ** (1.0 / self.HALF_LIFE)
-        self._seconds = np.zeros(count)        # this step's, so far
+        self._seconds = [0.0] * count          # this step's, so far
         # Decayed sums over the steps a source ran, and their weight: means
         # that a probe starts afresh (the sums of its last time on are old).
-        self._cost = np.zeros(count)
-        self._alone = np.zeros(count)
-        self._weight = np.zeros(count)
-        self._step = np.zeros(3)               # tokens, seconds, weight: every step
-        self._alone_before = np.zeros(count, dtype=np.int64)
-        self._since = np.zeros(count, dtype=np.int64)   # steps in the current state
+        self._cost = [0.0] * count
+        self._alone = [0.0] * count
+        self._weight = [0.0] * count
+        self._tokens = self._step_s = 0.0      # decayed sums over every step
+        self._alone_before = [0] * count
+        self._since = [0] * count              # steps in the current state
         self.steps = 0
-        self.off_steps = np.zeros(count, dtype=np.int64)
+        self.off_steps = [0] * count
 
     @property
-    def cost_s(self) -> np.ndarray:
+    def cost_s(self) -> list[float]:
         """Mean host seconds a step, of the steps each source ran."""
-        return self._cost / np.maximum(self._weight, 1e-12)
+        return [c / w if w > 0 else 0.0 for c, w in zip(self._cost, self._weight)]
 
     @property
-    def alone(self) -> np.ndarray:
+    def alone(self) -> list[float]:
         """Mean accepted tokens a step that only each source proposed."""
-        return self._alone / np.maximum(self._weight, 1e-12)
+        return [a / w if w > 0 else 0.0 for a, w in zip(self._alone, self._weight)]
 
     def add(self, k: int, seconds: float) -> None:
         """Source k worked ``seconds`` of host time in this step."""
         self._seconds[k] += seconds
 
-    def end_step(self, tokens: int, step_seconds: float | None,
-                 alone_total: np.ndarray) -> None:
+    def end_step(self, tokens: int, step_seconds: float | None, alone_total) -> None:
         """The step is over: ``tokens`` it emitted, its engine seconds (None:
         not measured) and each source's running count of accepted tokens
         that only it proposed. Learns, then decides the next step's sources."""
-        alone = alone_total - self._alone_before
-        self._alone_before = alone_total.copy()
-        seconds, self._seconds = self._seconds, np.zeros_like(self._seconds)
+        alone_total = [int(a) for a in alone_total]
+        alone = [a - b for a, b in zip(alone_total, self._alone_before)]
+        self._alone_before = alone_total
+        seconds, self._seconds = self._seconds, [0.0] * len(self._seconds)
         self.steps += 1
-        self.off_steps += ~self.on
+        for k, on in enumerate(self.on):
+            if not on:
+                self.off_steps[k] += 1
         if not self.enabled or step_seconds is None or step_seconds <= 0:
             return
-        d, on = self._decay, self.on
-        self._step = d * self._step + (tokens, step_seconds, 1.0)
-        self._cost[on] = d * self._cost[on] + seconds[on]
-        self._alone[on] = d * self._alone[on] + alone[on]
-        self._weight[on] = d * self._weight[on] + 1.0
-        self._since += 1
+        d = self._decay
+        self._tokens = d * self._tokens + tokens
+        self._step_s = d * self._step_s + step_seconds
+        for k, on in enumerate(self.on):
+            self._since[k] += 1
+            if on:
+                self._cost[k] = d * self._cost[k] + seconds[k]
+                self._alone[k] = d * self._alone[k] + alone[k]
+                self._weight[k] = d * self._weight[k] + 1.0
         if self.steps >= self.WARMUP:
             self._decide()
 
     def _decide(self) -> None:
-        tokens, step_s, _ = self._step
-        pays = self.alone * step_s >= self.cost_s * tokens
-        probe = ~self.on & (self._since >= self.PROBE_GAP)
-        on = np.where(self.on, pays | (self._since < self.PROBE_STEPS), probe)
-        if not on.any():   # the one that comes closest stays
-            ratio = self.alone / np.maximum(self.cost_s, 1e-12)
-            on[int(np.argmax(ratio))] = True
-        self._cost[probe] = self._alone[probe] = self._weight[probe] = 0.0
-        self._since[on != self.on] = 0
+        cost, alone = self.cost_s, self.alone
+        on = []
+        for k, was_on in enumerate(self.on):
+            if was_on:   # pays, or still probing
+                on.append(alone[k] * self._step_s >= cost[k] * self._tokens
+                          or self._since[k] < self.PROBE_STEPS)
+            else:
+                on.append(self._since[k] >= self.PROBE_GAP)
+                if on[k]:   # a probe measures afresh
+                    self._cost[k] = self._alone[k] = self._weight[k] = 0.0
+        if not any(on):   # the one that comes closest stays
+            ratios = [a / max(c, 1e-12) for a, c in zip(alone, cost)]
+            on[ratios.index(max(ratios))] = True
+        for k in range(len(on)):
+            if on[k] != self.on[k]:
+                self._since[k] = 0
         self.on = on
 
     def table(self, names) -> dict:
         """Per source: on or off, mean host ms a step, tokens only it
         brought per step, steps spent off."""
-        return {name: {"on": bool(self.on[k]),
-                       "ms_per_step": round(1e3 * float(self.cost_s[k]), 4),
-                       "alone_tokens_per_step": round(float(self.alone[k]), 4),
-                       "off_steps": int(self.off_steps[k])}
+        cost, alone = self.cost_s, self.alone
+        return {name: {"on": self.on[k],
+                       "ms_per_step": round(1e3 * cost[k], 4),
+                       "alone_tokens_per_step": round(alone[k], 4),
+                       "off_steps": self.off_steps[k]}
                 for k, name in enumerate(names)}
