@@ -3,7 +3,7 @@
 vLLM's rejection sampler samples the bonus rows (one per request, after all
 its drafts) through the plain sampler, which calls ``apply``, then processes
 the target rows (row j of a request: after its drafts[:j]). The bridge
-(vllm_plugins.bridge.verify_processors) hands the step's drafts over with
+(vllm_plugins.bridge.v1.verify_processors) hands the step's drafts over with
 ``begin_verification`` so that ``apply`` masks bonus rows after the drafts,
 and calls ``apply_drafted`` on the target rows. Matchers only move
 tentatively here and are rolled back: the next step advances them by the

@@ -268,7 +268,7 @@ def test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution(llm,
 
 def test_awrs_left_to_vllms_draw_samples_as_plain_masking(llm, tiny):
     """Unseeded AWRS rows are drawn by vLLM's sampler and checked after it
-    (bridge/grammar_awrs.py): the outputs follow plain masking's exact
+    (bridge/v1/grammar_awrs.py): the outputs follow plain masking's exact
     distribution, the grammar-conditioned target is far from it."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt

@@ -162,7 +162,7 @@ def decode_pair(proc, grammar, prompt, temperature=0.0, seed=None, extra=(), pre
         logits = torch.stack([logits_of(prompt, o) for o in outs])
         for p in (proc, *extra):
             p.update_state(None)
-        proc.awrs_defer = True  # as the runner's _sample does (bridge.grammar_awrs)
+        proc.awrs_defer = True  # as the runner's _sample does (bridge.v1.grammar_awrs)
         tok = sampler(logits, metadata(proc, plist, gens, extra)).sampled_token_ids
         proc.awrs_after_sample(tok)
         for i in range(2):

@@ -66,7 +66,7 @@ def test_a_step_without_drafts_can_take_the_plain_sampler():
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_plugins.bridge.step import verifies_nothing as _verifies_nothing
+    from vllm_plugins.bridge.v1.step import verifies_nothing as _verifies_nothing
 
     none = SpecDecodeMetadata.make_dummy([[], []], torch.device("cpu"))
     some = SpecDecodeMetadata.make_dummy([[], [5, 6]], torch.device("cpu"))
@@ -399,7 +399,7 @@ def test_rank_digest_rpc_is_added():
 
 
 def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
-    # bridge/tree_step.py: the slot mapping comes from the standard positions
+    # bridge/v1/tree_step.py: the slot mapping comes from the standard positions
     # inside _prepare_inputs; rewriting self.positions after it returns
     # changes only what the model reads. Drafts are verified in the step
     # right after they were proposed (no async scheduling for custom_class).
@@ -427,7 +427,7 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
     assert rejection_sampler.PLACEHOLDER_TOKEN_ID == -1
     assert params(rejection_sampler.apply_sampling_constraints) == [
         "logits", "cu_num_draft_tokens", "sampling_metadata"]
-    # bridge/runner.py tree_sample: a step of tree requests only skips the
+    # bridge/v1/runner.py tree_sample: a step of tree requests only skips the
     # rejection sampler (tree_step.empty_output stands in for its output),
     # which is all _sample does with drafts besides async-scheduling updates.
     from vllm.v1.outputs import SamplerOutput
@@ -446,7 +446,7 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
     assert "if self.use_async_scheduling and" in spec_part
     assert "self.kv_caches" in inspect.getsource(GPUModelRunner.initialize_kv_cache) \
         or "self.kv_caches" in inspect.getsource(GPUModelRunner)
-    # bridge/runner.py held_generators: beside other requests, the rejection
+    # bridge/v1/runner.py held_generators: beside other requests, the rejection
     # sampler draws from seeded requests' generators (by batch index) where
     # they have drafts; tree requests' are put back before acceptance.
     uniform = inspect.getsource(rejection_sampler.generate_uniform_probs)
@@ -457,7 +457,7 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
 
 
 def test_the_steps_forward_runs_in_a_forward_context_of_its_own():
-    # bridge/runner.py wrap_model_forward and tree_step.enter_forward: a tree
+    # bridge/v1/runner.py wrap_model_forward and tree_step.enter_forward: a tree
     # step's plan reaches attention only through the ForwardContext that
     # execute_model opens around _model_forward (the CPU runner's too), and
     # which set_forward_context drops when the forward ends.
@@ -503,7 +503,7 @@ def test_the_steps_forward_runs_in_a_forward_context_of_its_own():
 
 
 def test_cpu_attention_forward_reads_a_cache_vllm_wrote():
-    # bridge/tree_step.py attend: the CPU backend writes K/V in
+    # bridge/v1/tree_step.py attend: the CPU backend writes K/V in
     # do_kv_cache_update before forward (forward_includes_kv_cache_update
     # False), in [num_blocks, kv_heads, block_size, 2 * head_size].
     from vllm.v1.attention.backends.cpu_attn import (

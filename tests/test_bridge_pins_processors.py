@@ -98,7 +98,7 @@ def test_rejection_sampler_samples_bonus_rows_then_target_rows():
 def test_min_tokens_masks_bonus_rows_by_committed_output():
     """The plain Sampler calls MinTokensLogitsProcessor.apply on the bonus
     rows, which masks by the committed output alone; its state and helpers
-    are what bridge.verify_processors.bonus_min_tokens reads."""
+    are what bridge.v1.verify_processors.bonus_min_tokens reads."""
     from vllm.v1.sample.logits_processor import MinTokensLogitsProcessor
 
     fn = _original(MinTokensLogitsProcessor.apply)
@@ -228,7 +228,7 @@ def test_sampler_draws_as_awrs_replays_them():
 
 def test_sampler_divides_the_processors_rows_in_place():
     """AWRS leaves an unseeded row to vLLM's draw and reads it back after
-    sampling (bridge/grammar_awrs.py, AwrsRows.awrs_after_sample): the
+    sampling (bridge/v1/grammar_awrs.py, AwrsRows.awrs_after_sample): the
     tensor a logits processor was handed is the one the sampler draws
     from, divided by each row's temperature in place, and nothing else
     changes rows without top-k, top-p or min-p."""

@@ -7,7 +7,7 @@ from tests.test_bridge_pins import params
 
 
 def test_cpu_attention_metadata_can_be_cut_to_some_requests():
-    # bridge/tree_step.py subset_metadata: vLLM's CPU attention over the
+    # bridge/v1/tree_step.py subset_metadata: vLLM's CPU attention over the
     # other requests of a tree step, with CPUAttentionMetadata replaced
     # field by field and the scheduler metadata the builder would compute.
     import dataclasses
@@ -35,7 +35,7 @@ def test_cpu_attention_metadata_can_be_cut_to_some_requests():
 
 
 def test_cpu_backend_picks_each_groups_isa_as_the_start_up_check_predicts():
-    # bridge/runner.py start_up_isa: the K/V layout check runs at start-up,
+    # bridge/v1/runner.py start_up_isa: the K/V layout check runs at start-up,
     # before the cache exists, on the ISA the metadata builder will give
     # each layer (layer.isa, which the cache writer and the first step's
     # check read): _get_attn_isa(model dtype, block size, head size, cache dtype).

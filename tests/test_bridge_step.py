@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_plugins.bridge import runner as bridge_runner
-from vllm_plugins.bridge import step
+from vllm_plugins.bridge import worker_rpc
 from vllm_plugins.bridge.state import ATTR, RunnerState, attach, state_of
+from vllm_plugins.bridge.v1 import runner as bridge_runner
+from vllm_plugins.bridge.v1 import step
 
 
 def stand_in_runner(proposer):
@@ -167,9 +168,9 @@ def test_counting_is_opt_in_for_vllms_own_drafters():
 
     propose = bridge_runner.wrap_propose(vllm_propose)
     worker = SimpleNamespace(model_runner=SimpleNamespace())
-    read = bridge_runner.add_read_stats(None)
+    read = worker_rpc.add_read_stats(None)
     assert read(worker) == {}
-    bridge_runner.add_count_steps(None)(worker)
+    worker_rpc.add_count_steps(None)(worker)
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     md = SpecDecodeMetadata.make_dummy([[4, 5]], torch.device("cpu"))
@@ -233,7 +234,7 @@ def test_unsafe_combinations_are_refused_at_start_up():
 def test_self_drafting_refuses_targets_with_several_attention_kinds():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from vllm_plugins.bridge.target_layers import check_target
+    from vllm_plugins.bridge.v1.target_layers import check_target
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
                              dtype=torch.float32)

@@ -17,8 +17,8 @@ from unittest import mock
 import pytest
 import torch
 
-from vllm_plugins.bridge import runner as bridge_runner
-from vllm_plugins.bridge import tree_step
+from vllm_plugins.bridge.v1 import runner as bridge_runner
+from vllm_plugins.bridge.v1 import tree_step
 from vllm_plugins.kernels.cache_layout import VIEWED_ISAS, cpu_cache_views, layout_refusal
 
 UNVIEWED = ("amx", "neon", "rvv", "vxe", "vsx", "some_new_isa")
@@ -125,7 +125,7 @@ def test_tree_drafts_are_served_on_the_viewed_layouts(isa):
 
 
 def test_the_isa_a_layer_reports_once_the_cache_exists_decides():
-    # bridge/step.py checks again at the first step, from layer.isa.
+    # bridge/v1/step.py checks again at the first step, from layer.isa.
     for isa in UNVIEWED:
         assert f"'{isa}'" in tree_step.attention_tree_refusal(attention_model(isa=isa))
     for isa in VIEWED_ISAS:

@@ -52,7 +52,7 @@ def references(text: str) -> list[tuple[str, str]]:
         elif re.fullmatch(r"test_\w+", span):
             refs.append(("test", span))
         elif re.fullmatch(r"[\w/]+/[\w]+\.py", span) and not PATH_RE.fullmatch(span):
-            refs.append(("path", span))                         # e.g. bridge/runner.py
+            refs.append(("path", span))                         # e.g. bridge/v1/runner.py
         elif (re.fullmatch(rf"(?:{'|'.join(SUBPACKAGES)})(\.\w+)+", span)
               and not re.search(r"\.(md|png|json|jsonl|txt)$", span)):
             refs.append(("short", span))                        # bridge.f or a patch name
@@ -68,7 +68,7 @@ def links(text: str) -> list[str]:
 
 def resolve_path(path: str) -> Path | None:
     """A cited path from the repository root, else (a short form such as
-    bridge/runner.py) from vllm_plugins/."""
+    bridge/v1/runner.py) from vllm_plugins/."""
     for base in (ROOT, ROOT / "vllm_plugins"):
         if "*" in path:                                          # tests/test_x_*.py
             found = sorted(base.glob(path))

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tests.test_bridge_step import stand_in_runner
-from vllm_plugins.bridge import step
 from vllm_plugins.bridge.state import attach
+from vllm_plugins.bridge.v1 import step
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.step_context import Drafts
 from vllm_plugins.tree.checked import draft_problem, drop_malformed

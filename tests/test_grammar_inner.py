@@ -58,7 +58,7 @@ def fake_config(user: dict) -> SimpleNamespace:
 class FakeTargetLayers:
     """``ctx.target`` for self-drafting methods: drafts and scores with a
     bigram table of the texts the requests write (the shape of
-    ``vllm_plugins.bridge.target_layers.TargetLayers.draft`` / ``score``)."""
+    ``vllm_plugins.bridge.v1.target_layers.TargetLayers.draft`` / ``score``)."""
 
     num_layers = 12
     runner = SimpleNamespace(max_model_len=4096)

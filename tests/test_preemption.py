@@ -1,7 +1,7 @@
 """A request preempted by vLLM leaves the batch without finishing and comes
 back later in prefill: its whole context (prompt and output so far) is
 computed again, then it decodes on. How the bridge shows that to a proposer
-(vllm_plugins.bridge.step.build_context): the request is absent from
+(vllm_plugins.bridge.v1.step.build_context): the request is absent from
 ``ctx.requests`` while it waits (vLLM's runner removes unscheduled requests
 from its input batch), it is never in ``ctx.finished``, and on its return
 its rows carry no accepted tokens (``in_prefill``) until the prefill ends; the
@@ -121,7 +121,7 @@ def test_bridge_shows_a_resumed_request_in_prefill_and_not_finished():
     is in the batch with its whole context, no accepted tokens, and is not
     reported finished."""
     from vllm_plugins.bridge.state import RunnerState
-    from vllm_plugins.bridge.step import build_context
+    from vllm_plugins.bridge.v1.step import build_context
 
     ids = np.zeros((2, 16), np.int64)
     ids[0, :6] = PROMPT + [5, 6]

@@ -1,6 +1,6 @@
 """Logits processors under speculation, without an engine.
 
-vLLM's rejection sampler (patched by vllm_plugins.bridge.verify_processors)
+vLLM's rejection sampler (patched by vllm_plugins.bridge.v1.verify_processors)
 runs on CPU tensors laid out as the runner lays them out, with our grammar
 processor, logit_bias and min_p built the way the runner builds them. Each
 verified row must carry what plain decoding applies at that position: the

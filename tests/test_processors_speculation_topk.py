@@ -100,7 +100,7 @@ def test_the_bridge_hands_the_recording_to_a_drafter_that_learns_it(spec_config,
     learns none gets None and asks nothing."""
     from types import SimpleNamespace
 
-    from vllm_plugins.bridge.step import take_masked_topk
+    from vllm_plugins.bridge.v1.step import take_masked_topk
 
     procs = built(spec_config, [(params(), [5]), (grammar_params(), list(toks(tokenizer, "ab")))])
     (proc,) = [p for p in procs.all if isinstance(p, GrammarLogitsProcessor)]

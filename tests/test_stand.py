@@ -474,11 +474,11 @@ def test_acceptance_policy_sees_a_length_fixed_before_drafting():
 def test_samples_of_one_request_share_the_bridges_group_id():
     """Pins vLLM's child naming (v1/engine/parallel_sampling.py,
     ParentRequest.get_child_info: f"{index}_{request_id}", child n = 1) to
-    vllm_plugins.bridge.step.group_of."""
+    vllm_plugins.bridge.groups.group_of."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.parallel_sampling import ParentRequest
 
-    from vllm_plugins.bridge.step import group_of as _group_of
+    from vllm_plugins.bridge.groups import group_of as _group_of
 
     parent_id = "chat-42-1a2b3c4d"
     parent = ParentRequest(SimpleNamespace(

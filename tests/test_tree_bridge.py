@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.processor_fixtures import spec_decode_metadata
-from vllm_plugins.bridge import tree_step
+from vllm_plugins.bridge.v1 import tree_step
 from vllm_plugins.kernels.cache_layout import cpu_cache_views
 from vllm_plugins.step_context import Drafts
 from vllm_plugins.tree.sampling import tree_allowed
@@ -213,7 +213,7 @@ def test_attention_reads_the_plan_of_the_forward_running_now():
     from vllm.config import VllmConfig
     from vllm.forward_context import set_forward_context
 
-    from vllm_plugins.bridge import runner as bridge_runner
+    from vllm_plugins.bridge.v1 import runner as bridge_runner
     from vllm_plugins.bridge.state import attach
 
     config = VllmConfig()
@@ -450,7 +450,7 @@ def tree_sample_step(batch, seed, tree_rows, tree_tokens):
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from vllm_plugins.bridge import runner as bridge_runner
+    from vllm_plugins.bridge.v1 import runner as bridge_runner
     from vllm_plugins.bridge.state import attach
 
     vocab = tree_rows.shape[1]

@@ -3,8 +3,8 @@
 A drafter is built by vLLM from the speculative config (``Class(vllm_config)``,
 vLLM's ``custom_class`` route, or V2's ``init_speculator`` through our
 patch), handed the target once (``load_model``), and then called once per
-engine step. Each runner has one adapter (V1: ``vllm_plugins/bridge/runner.py``
-and ``step.py``; V2: ``vllm_plugins/bridge/v2/``); what a drafter needs of the
+engine step. Each runner has one adapter (V1: ``vllm_plugins/bridge/v1/``;
+V2: ``vllm_plugins/bridge/v2/``); what a drafter needs of the
 runner is declared here, never probed with ``getattr``:
 
 - ``Drafter``: the host route. ``step(StepContext) -> Drafts``: the step's

@@ -66,11 +66,10 @@ RENAMED = {"grammar": "grammar_forced"}
 
 
 def applies_processors(vllm_config) -> bool:
-    """True for an engine whose drafter is one of ours: the bridge then
-    applies logits processors at every verified row
-    (``vllm_plugins.bridge.verify_processors``), and our grammar processor
-    runs under speculation. V1 runner only: the V2 runner is refused for our
-    methods at start-up."""
+    """True for an engine whose drafter is one of ours: logits processors
+    then apply at every verified row (on the V1 runner through
+    ``vllm_plugins.bridge.v1.verify_processors``; V2's own sampler applies
+    them), and our grammar processor runs under speculation."""
     spec = getattr(vllm_config, "speculative_config", None)
     return spec is not None and getattr(spec, PLUGIN_OPTIONS_ATTR, None) is not None
 

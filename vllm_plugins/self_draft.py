@@ -5,7 +5,7 @@ rows (``DraftRows``), and what it returns (``SelfDraftResult``).
 Layer-skip (SWIFT) and early-exit (DEL) self-speculation draft with the
 target's weights: no copy, no second model. The partial forwards themselves
 build vLLM attention metadata and forward contexts, so they live in the
-bridge (``vllm_plugins.bridge.target_layers.TargetLayers``), which hands
+bridge (``vllm_plugins.bridge.v1.target_layers.TargetLayers``), which hands
 them to the proposer as ``StepContext.target``.
 
 A plan says which sublayers run: ``attn[i]`` / ``mlp[i]`` per layer for the

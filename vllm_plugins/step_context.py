@@ -86,7 +86,7 @@ class StepContext:
     # last_step_seconds, and paid by every step, resting or not.
     last_gap_seconds: float | None = None
     # Self-drafting methods only (proposer.SELF_DRAFT): the target's layers as
-    # a drafter (vllm_plugins.bridge.target_layers.TargetLayers), and the verification
+    # a drafter (vllm_plugins.bridge.v1.target_layers.TargetLayers), and the verification
     # pass's residual stream after each layer the proposer asked for in
     # ``aux_layers`` ({layers run: tensor [tokens, hidden]}).
     target: object = None

@@ -49,7 +49,7 @@ def verified_shape(parents, num_draft: int) -> str:
     the number vLLM verified (a prefix): as the bridge decides."""
     if num_draft <= 0:
         return NONE
-    from vllm_plugins.bridge.tree_step import chain_length
+    from vllm_plugins.bridge.v1.tree_step import chain_length
 
     if parents is None:
         return CHAIN

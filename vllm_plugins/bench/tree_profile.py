@@ -33,15 +33,15 @@ CHAIN, TREE = "chain", "tree"
 # (label, module, attribute) of each timed part. Callers reach each through
 # its module (or class), so replacing that attribute times every call.
 PARTS = (
-    ("plan (positions, masks)", "vllm_plugins.bridge.tree_step", "plan"),
-    ("rotary positions by depth", "vllm_plugins.bridge.tree_step", "depth_positions"),
+    ("plan (positions, masks)", "vllm_plugins.bridge.v1.tree_step", "plan"),
+    ("rotary positions by depth", "vllm_plugins.bridge.v1.tree_step", "depth_positions"),
     ("attention layers (all)", "vllm.v1.attention.backends.cpu_attn",
      "CPUAttentionBackendImpl.forward"),
-    ("  tree path's plan", "vllm_plugins.bridge.tree_step", "plan_attention"),
-    ("  tree rows", "vllm_plugins.bridge.tree_step", "tree_attention_planned"),
+    ("  tree path's plan", "vllm_plugins.bridge.v1.tree_step", "plan_attention"),
+    ("  tree rows", "vllm_plugins.bridge.v1.tree_step", "tree_attention_planned"),
     ("sampling (all)", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample"),
-    ("  tree acceptance", "vllm_plugins.bridge.tree_step", "accept"),
-    ("  K/V move", "vllm_plugins.bridge.tree_step", "move_accepted_kv"),
+    ("  tree acceptance", "vllm_plugins.bridge.v1.tree_step", "accept"),
+    ("  K/V move", "vllm_plugins.bridge.v1.tree_step", "move_accepted_kv"),
     ("proposer step", "vllm_plugins.proposers.base", "PluginProposer.step"),
 )
 

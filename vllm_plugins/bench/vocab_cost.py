@@ -139,7 +139,7 @@ STASHES: list[float] = []
 
 
 def time_stashes() -> None:
-    from vllm_plugins.bridge import step
+    from vllm_plugins.bridge.v1 import step
 
     timed(step, "stash_topk", STASHES)
 

@@ -4,16 +4,25 @@
 named ``Patch`` over one vLLM attribute, with its reason and the pin test in
 tests/test_bridge_pins.py that fails loudly when vLLM's shape changes.
 
+Shared by both model runners, at this level:
+
 - ``patches``: every vLLM internal we replace, add or read, in one list;
 - ``config``: start-up (our method names, option validation, refusals);
-- ``runner``: the V1 model runner's step, for our proposers only;
-- ``v2``: Model Runner V2's drafter, taps and runner gate;
-- ``step``: the StepContext built from the runner's arrays (no patching);
-- ``target_layers``: the target's partial forwards for self-drafting proposers;
 - ``state``: the one typed object we keep on a runner;
+- ``groups``: which requests sample one prompt;
+- ``ranks``: tensor-parallel ranks that draft alike;
+- ``worker_rpc``, ``live_state``: what ``collective_rpc`` reads of our state;
 - ``counters``, ``stat_logger``: our counters from a runner's state to
   vLLM's Prometheus ``/metrics``, through vLLM's own stats;
-- ``cpu_fixes``: a correction to vLLM's CPU build.
+- ``grammar_front``, ``grammar_hold``, ``grammar_weights``: grammar
+  requests in the front end, the scheduler and the workers;
+- ``cpu_fixes``: corrections to vLLM's CPU build.
+
+One subpackage per runner:
+
+- ``v1``: the V1 model runner's step, for our proposers only (its
+  ``StepContext``, tree steps, self-drafting, processors per verified row);
+- ``v2``: Model Runner V2's drafter, taps and runner gate.
 """
 
 from __future__ import annotations

@@ -146,6 +146,22 @@ def wrap_params_validator(original):
     return build_validator
 
 
+def wrap_validate_spec_decode(original):
+    # vllm.sampling_params.SamplingParams._validate_spec_decode(self,
+    #     speculative_config): refuses min_p and logit_bias when speculating.
+    # Engines drafting with our methods serve them on either runner: V1's
+    # verified rows get them from v1/verify_processors, V2's from its own
+    # sampler.
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config):
+        if (speculative_config is not None
+                and getattr(speculative_config, PLUGIN_OPTIONS_ATTR, None) is not None):
+            return None  # applied per verified row (see above)
+        return original(self, speculative_config)
+
+    return _validate_spec_decode
+
+
 def speculation_engine(vllm_config):
     """((our method, num_speculative_tokens, hybrid sources or None) or None,
     the engine's speculative method or None): what a request's

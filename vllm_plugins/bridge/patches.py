@@ -11,8 +11,9 @@ what ``scripts/`` compares between two releases.
 from __future__ import annotations
 
 from vllm_plugins.bridge import (config, counters, cpu_fixes, grammar_front, grammar_hold,
-                                 runner, verify_processors)
+                                 worker_rpc)
 from vllm_plugins.bridge.patching import Patch
+from vllm_plugins.bridge.v1 import runner, verify_processors
 from vllm_plugins.bridge.v2 import gate as v2_gate
 from vllm_plugins.bridge.v2 import speculator as v2_speculator
 
@@ -84,7 +85,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch("runner.verified_topk", _RUNNER + "._sample",
           "takes the target's top-k at every verified row; a step with no "
           "drafts takes the plain sampler; AWRS checks vLLM's draw of the rows "
-          "it left to it (bridge.grammar_awrs)",
+          "it left to it (bridge.v1.grammar_awrs)",
           _PINS + "test_a_step_without_drafts_can_take_the_plain_sampler",
           runner.wrap_sample),
     Patch("runner.propose", _RUNNER + ".propose_draft_token_ids",
@@ -114,24 +115,24 @@ PATCHES: tuple[Patch, ...] = (
     Patch("worker.stats", "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_stats",
           "collective_rpc target: step counters and proposer metrics",
           _PINS + "test_custom_class_route_and_worker_rpc",
-          runner.add_read_stats, adds=True),
+          worker_rpc.add_read_stats, adds=True),
     Patch("worker.count_steps",
           "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_count_steps",
           "collective_rpc target: a benchmark counts vLLM's own drafters too",
           _PINS + "test_custom_class_route_and_worker_rpc",
-          runner.add_count_steps, adds=True),
+          worker_rpc.add_count_steps, adds=True),
     Patch("worker.live_state",
           "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_live_state",
           "collective_rpc target: counts of what our state holds, so a leak "
           "of one object per request shows on an idle engine",
           _PINS + "test_custom_class_route_and_worker_rpc",
-          runner.add_live_state, adds=True),
+          worker_rpc.add_live_state, adds=True),
     Patch("worker.rank_digest",
           "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_rank_digest",
           "collective_rpc target: per-step digests of each rank's drafts, "
           "draft probabilities and token history, to check ranks agree",
           _PINS + "test_custom_class_route_and_worker_rpc",
-          runner.add_rank_digest, adds=True),
+          worker_rpc.add_rank_digest, adds=True),
     Patch("verify.build_logitsprocs",
           "vllm.v1.worker.gpu_model_runner:build_logitsprocs",
           "an engine drafting with our proposers keeps min_p, logit_bias and "
@@ -143,7 +144,7 @@ PATCHES: tuple[Patch, ...] = (
           "min_p and logit_bias requests are admitted by engines drafting "
           "with our proposers, whose verified rows get them",
           _PROCESSOR_PINS + "test_spec_decode_refuses_min_p_and_logit_bias",
-          verify_processors.wrap_validate_spec_decode),
+          config.wrap_validate_spec_decode),
     Patch("verify.bonus_rows",
           "vllm.v1.sample.rejection_sampler:RejectionSampler.forward",
           "our grammar processor masks each bonus row after the request's "
@@ -267,7 +268,7 @@ RELIED_ON: tuple[str, ...] = (
     # AWRS weights reach the output (bridge/grammar_weights.py;
     # tests/test_asap_e2e.py::test_smc_over_awrs_weights_follows_the_grammar_conditioned_distribution).
     "vllm.v1.request:Request.num_output_tokens",
-    # AWRS reads back the rows vLLM drew from (bridge/grammar_awrs.py;
+    # AWRS reads back the rows vLLM drew from (bridge/v1/grammar_awrs.py;
     # tests/test_bridge_pins_processors.py::test_sampler_divides_the_processors_rows_in_place).
     "vllm.v1.sample.sampler:Sampler.apply_temperature",
     "vllm.v1.engine:EngineCoreOutput",

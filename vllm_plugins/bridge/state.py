@@ -47,7 +47,7 @@ class StepCounters:
     # (vllm_plugins.tree.checked): a proposer bug, never the engine's end.
     malformed_drafts: int = 0
     # Request drafts dropped because tensor-parallel ranks drafted them
-    # differently (bridge/step.py:agree_across_ranks).
+    # differently (bridge/v1/step.py:agree_across_ranks).
     rank_disagreements: int = 0
 
     def count(self, sampled_token_ids, num_draft: list[int] | None) -> None:
@@ -89,7 +89,7 @@ class RunnerState:
     topk: TopkStash | None = None
     # ranks.RankDigest once a test asks for per-step digests (opt-in).
     digest: object = None
-    # Tree drafts (bridge/tree_step.py): the trees handed to vLLM by request
+    # Tree drafts (bridge/v1/tree_step.py): the trees handed to vLLM by request
     # id, the step verifying some of them (from _prepare_inputs to _sample),
     # and why this runner cannot verify trees (None when it can).
     trees: dict = field(default_factory=dict)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vllm_plugins.bridge.groups import group_of
 from vllm_plugins.step_context import RequestStep, StepContext
 
 
@@ -73,8 +74,6 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
     ``num_draft`` is read from the rows V2 verified (``cu_num_logits``),
     not from what we sent: drafts the scheduler did not schedule are
     neither accepted nor rejected."""
-    from vllm_plugins.bridge.step import group_of
-
     num_reqs = int(input_batch.num_reqs)
     req_ids = list(input_batch.req_ids[:num_reqs])
     index = np.asarray(input_batch.idx_mapping_np[:num_reqs], dtype=np.int64)

@@ -5,7 +5,7 @@ target's weights: no copy, no second model. ``TargetLayers`` is the one
 place that runs those partial forwards, so it is the one place that builds
 vLLM attention metadata and forward contexts outside vLLM's runner; the
 bridge hands it to a self-drafting proposer as ``StepContext.target``
-(``bridge/step.py``). Each vLLM function it relies on is named where it is
+(``bridge/v1/step.py``). Each vLLM function it relies on is named where it is
 used and pinned in tests/test_bridge_pins.py. The plan and result types the
 proposers use are vLLM-free (``vllm_plugins.self_draft``).
 

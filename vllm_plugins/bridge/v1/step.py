@@ -2,7 +2,7 @@
 
 These functions read vLLM's runner objects (named field by field, pinned in
 tests/test_bridge_pins.py) but replace nothing: the patches in
-``vllm_plugins.bridge.runner`` call them, and tests call them on stand-in
+``vllm_plugins.bridge.v1.runner`` call them, and tests call them on stand-in
 runners without an engine.
 """
 
@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vllm_plugins.bridge import ranks
+from vllm_plugins.bridge.groups import group_of
 from vllm_plugins.bridge.state import RunnerState, TopkStash
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.topk import topk_logprobs
@@ -55,14 +56,6 @@ def take_finished(state: RunnerState, scheduler_output) -> set[str]:
     state.finished = set()
     finished.update(getattr(scheduler_output, "finished_req_ids", ()) or ())
     return finished
-
-
-def group_of(req_id: str, sampling_params) -> str:
-    """Samples of one prompt share a group: vLLM names n>1 children 'i_parent'."""
-    head, sep, tail = req_id.partition("_")
-    if sep and head.isdigit() and getattr(sampling_params, "n", 1) == 1 and tail:
-        return tail
-    return req_id
 
 
 def build_context(runner, state: RunnerState, scheduler_output,
@@ -180,7 +173,7 @@ def add_self_draft(runner, proposer, ctx: StepContext, common_attn_metadata,
     query_start_loc_cpu gives each request's scheduled token rows, whose last
     num_draft + 1 were verified.
     """
-    from vllm_plugins.bridge.target_layers import TargetLayers
+    from vllm_plugins.bridge.v1.target_layers import TargetLayers
 
     ctx.target = TargetLayers(runner, common_attn_metadata.block_table_tensor)
     qsl = common_attn_metadata.query_start_loc_cpu.numpy()
@@ -241,14 +234,14 @@ def set_draft_probs(runner, drafts: Drafts, tokens: list[list[int]]) -> None:
 
 def record_trees(runner, state: RunnerState, ctx: StepContext, drafts: Drafts):
     """The token lists (and probability rows) vLLM gets: trees are kept for
-    the next step's verification (bridge/tree_step.py), or cut to their
+    the next step's verification (bridge/v1/tree_step.py), or cut to their
     chain prefix where this runner or the request cannot take a tree."""
-    from vllm_plugins.bridge.tree_step import record_drafts
+    from vllm_plugins.bridge.v1.tree_step import record_drafts
 
     for req_id in ctx.finished:
         state.trees.pop(req_id, None)
     if not state.tree_layout_checked:  # the cache exists from the first step on
-        from vllm_plugins.bridge.tree_step import attention_tree_refusal
+        from vllm_plugins.bridge.v1.tree_step import attention_tree_refusal
 
         state.tree_layout_checked = True
         state.tree_refusal = (state.tree_refusal

@@ -24,8 +24,9 @@ import time
 
 import torch
 
-from vllm_plugins.bridge import grammar_awrs, ranks, step, tree_step
+from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import attach, state_of
+from vllm_plugins.bridge.v1 import grammar_awrs, step, tree_step
 
 
 def is_ours(drafter) -> bool:
@@ -52,7 +53,7 @@ def wrap_after_load(original):
         state.tree_refusal = runner_tree_refusal(self)
         if drafter.SELF_DRAFT:
             from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR
-            from vllm_plugins.bridge.target_layers import check_target
+            from vllm_plugins.bridge.v1.target_layers import check_target
 
             options = getattr(self.vllm_config.speculative_config,
                               PLUGIN_OPTIONS_ATTR, None) or {}
@@ -326,60 +327,3 @@ def wrap_propose(original):
             state.propose_end = time.perf_counter()
 
     return propose_draft_token_ids
-
-
-# ------------------------------------------------------ worker RPC targets
-# vllm.v1.worker.worker_base.WorkerBase: collective_rpc("name") calls
-# getattr(worker, name)(); string methods need no insecure pickling.
-def add_read_stats(_missing):
-    def vllm_plugins_stats(worker) -> dict:
-        """The runner's step counters and our proposer's metrics ({} when the
-        runner carries nothing of ours)."""
-        state = state_of(worker.model_runner)
-        if state is None:
-            return {}
-        out = state.counters.as_dict()
-        if state.proposer is not None:
-            out["proposer"] = state.proposer.metrics()
-        return out
-
-    return vllm_plugins_stats
-
-
-def add_count_steps(_missing):
-    def vllm_plugins_count_steps(worker) -> None:
-        """Opt-in step counting for a runner whose drafter is vLLM's own (a
-        benchmark's baseline); runners of our proposers always count."""
-        attach(worker.model_runner)
-
-    return vllm_plugins_count_steps
-
-
-def add_live_state(_missing):
-    def vllm_plugins_live_state(worker) -> dict:
-        """Counts of what our state holds now (``bridge.live_state``), for a
-        leak check on an idle engine; {} when the runner carries nothing of
-        ours."""
-        from vllm_plugins.bridge.live_state import live_counts
-
-        state = state_of(worker.model_runner)
-        if state is None:
-            return {}
-        return live_counts(state, getattr(worker.model_runner, "requests", {}) or {})
-
-    return vllm_plugins_live_state
-
-
-def add_rank_digest(_missing):
-    def vllm_plugins_rank_digest(worker) -> list[str]:
-        """Per-step digests of this rank's drafts, draft probabilities and
-        token history (ranks.RankDigest). The first call turns digests on
-        and returns []; later calls return every step's since then."""
-        state = state_of(worker.model_runner)
-        if state is None or state.proposer is None:
-            return []
-        if state.digest is None:
-            state.digest = ranks.RankDigest()
-        return list(state.digest.steps)
-
-    return vllm_plugins_rank_digest

@@ -3,7 +3,7 @@
 ``"sampling": "awrs"`` draws a token, checks it, and draws again only on a
 refusal. For an unseeded row with no truncation, vLLM's sampler makes the
 first draw anyway, from the same row: so the model runner's ``_sample``
-(wrapped in ``bridge.runner``) tells our grammar processors before the
+(wrapped in ``bridge.v1.runner``) tells our grammar processors before the
 step that it will follow up (``awrs_defer``), the processors leave those
 rows as they are, and after vLLM has sampled, each checks the tokens drawn
 there and, on a refusal, draws on without it (``AwrsRows.awrs_after_sample``),

@@ -1,9 +1,10 @@
-"""Logits processors under speculative decoding, for engines that draft with
-our proposers.
+"""Logits processors under speculative decoding on the V1 runner, for
+engines that draft with our proposers.
 
 vLLM 0.32's V1 runner builds only ``min_tokens`` when speculation is on
 (``build_logitsprocs``), refuses ``min_p`` and ``logit_bias`` per request
-(``SamplingParams._validate_spec_decode``) and runs no custom processor: its
+(``SamplingParams._validate_spec_decode``, which ``bridge.config`` lets
+through for our engines on either runner) and runs no custom processor: its
 rejection sampler has no notion of "the processor's state at draft position
 j". For engines whose drafter is ours, the bridge applies at every verified
 row what plain decoding applies at that position, in plain decoding's order:
@@ -43,7 +44,7 @@ import logging
 
 import torch
 
-from vllm_plugins.registry import PLUGIN_OPTIONS_ATTR, applies_processors
+from vllm_plugins.registry import applies_processors
 from vllm_plugins.tree.sampling import SAMPLING_EPS
 
 logger = logging.getLogger("vllm_plugins")
@@ -99,19 +100,6 @@ def wrap_build_logitsprocs(original):
         return built
 
     return build_logitsprocs
-
-
-def wrap_validate_spec_decode(original):
-    # vllm.sampling_params.SamplingParams._validate_spec_decode(self,
-    #     speculative_config): refuses min_p and logit_bias when speculating.
-    @functools.wraps(original)
-    def _validate_spec_decode(self, speculative_config):
-        if (speculative_config is not None
-                and getattr(speculative_config, PLUGIN_OPTIONS_ATTR, None) is not None):
-            return None  # our bridge applies them per verified row
-        return original(self, speculative_config)
-
-    return _validate_spec_decode
 
 
 # ------------------------------------------------------------- each step
