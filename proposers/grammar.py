@@ -17,7 +17,7 @@ vLLM's structured output without speculation.
 A request with our grammar logits processor (``extra_args["grammar"]``) is
 drafted the same way from that grammar; the bridge then applies the
 processor's mask at every verified row (``vllm_plugins.bridge
-.verify_processors``), so output is exactly the processor's without
+.v1.verify_processors``), so output is exactly the processor's without
 speculation.
 
 Each request's grammar is rebuilt here from its ``SamplingParams`` as the

@@ -1,7 +1,7 @@
 """What SWIFT and DEL share: drafting with the target's own layers.
 
 The bridge hands these proposers ``ctx.target`` (vllm_plugins.bridge
-.target_layers.TargetLayers): partial forwards of the loaded target over vLLM's paged KV
+.v1.target_layers.TargetLayers): partial forwards of the loaded target over vLLM's paged KV
 cache. A subclass says, per request, which plan (sublayers to run) and how
 many tokens to draft; this base groups requests by plan, drafts each group in
 one batched loop, and applies the confidence stop: drafting ends at the first
