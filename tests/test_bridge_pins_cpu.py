@@ -52,3 +52,18 @@ def test_cpu_kernel_scan_survives_numba():
             dispatcher.__dict__.pop("vars", None)
         else:
             dispatcher.vars = ours
+
+
+def test_the_bridge_imports_no_numba_before_it_patches_the_scan():
+    """Where the plugin steps aside (an unchecked vLLM) it imports the patch
+    list but applies none: nothing it imports may load numba, or the scan
+    above fails and plain vLLM with it. Compiled loops load at first use."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm_plugins.bridge.patches, vllm_plugins.registry; "
+            "print(sorted(m for m in ('numba', 'llvmlite') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"

@@ -52,10 +52,12 @@ def test_own_time_excludes_wrapped_callees():
     assert prof.own == {"inner": 1.0, "outer": 2.0}
 
 
-# Every source, fixed draft lengths, no confidence floor: the tiny model's
-# flat logits would stop Token Recycling's trees at the floor, and a
-# draft-length policy would soon stop drafting what it never accepts.
+# Every source, fixed draft lengths, no confidence floor, every source on:
+# the tiny model's flat logits would stop Token Recycling's trees at the
+# floor, a draft-length policy would soon stop drafting what it never
+# accepts, and sources that bring nothing would be switched off.
 ALL_SOURCES = ('all_sources={"method": "hybrid", "draft_length": "fixed", '
+               '"source_costs": false, '
                '"sources": ["token_recycling", "suffix", "ngram", "stand"], '
                '"source_options": {"token_recycling": {"min_confidence": 0}}}')
 
