@@ -19,8 +19,9 @@ method's ``"draft_length"`` option, their own options in
 
 Modules: ``slots`` (per-request rows), ``acceptance`` (estimates),
 ``calibration``, ``step_cost`` (the step-time model), ``controllers`` (the
-contract, acceptance, confidence), ``goodput`` and ``rest``, ``simulator``.
-Pure Python + numpy; no vLLM import. See docs/draft_length.md.
+contract, acceptance, confidence), ``goodput`` and ``rest``, ``simulator``;
+``estimator_kernels`` and ``calibration_kernels``, their per-step loops
+compiled with numba. No vLLM import. See docs/draft_length.md.
 """
 
 from __future__ import annotations
