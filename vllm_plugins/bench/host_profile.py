@@ -114,7 +114,8 @@ FUNCTIONS = (
     (BRIDGE, "vllm_plugins.bridge.v2.drafter_base:V2Drafter.propose"),
     (BRIDGE, "vllm_plugins.bridge.v2.speculator:PluginSpeculator.draft"),
     (TOPK, "vllm_plugins.bridge.v2.speculator:PluginSpeculator.observe_logits"),
-    ("StepContext", "vllm_plugins.bridge.v2.context:build_context"),
+    # The speculator calls the name it imported: that is the one to time.
+    ("StepContext", "vllm_plugins.bridge.v2.speculator:build_context"),
     ("drafts out (checks, tree record, probs)",
      "vllm_plugins.bridge.v2.speculator:PluginSpeculator._checked_chains"),
     ("drafts out (checks, tree record, probs)",
