@@ -181,12 +181,3 @@ class AcceptanceEstimator:
             self._gps, self._gpn, self._gdecay, self.prior_acceptance, self.decay, ewma,
             float(self.change_threshold))
         self._gs, self._gn = float(glob[0]), float(glob[1])
-
-
-def odds_scale(p: np.ndarray, factor: np.ndarray) -> np.ndarray:
-    """p with its odds multiplied by ``factor`` (a request's observed /
-    expected ratio moves every position's probability the same way in odds,
-    never past 0 or 1)."""
-    p = clip(p, EPS, 1.0 - EPS)
-    scaled = p * factor
-    return scaled / (1.0 - p + scaled)

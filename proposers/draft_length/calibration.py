@@ -8,9 +8,9 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import integer, number
-from vllm_plugins.proposers.draft_length.acceptance import (EPS, clip, odds_scale,
-                                                           unit_interval)
-from vllm_plugins.proposers.draft_length.calibration_kernels import (calibrated, learn_outcomes,
+from vllm_plugins.proposers.draft_length.acceptance import EPS, clip
+from vllm_plugins.proposers.draft_length.calibration_kernels import (calibrated, calibrated_at,
+                                                                    learn_outcomes,
                                                                     remember_kept)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
@@ -65,12 +65,6 @@ class ConfidenceCalibrator:
         slots.add("conf_kept", (max_draft,), np.float32, np.nan)
         slots.add("conf_seen", (), np.bool_, False)
 
-    def _bin(self, c: np.ndarray) -> np.ndarray:
-        # nan_to_num's values where they matter: NaN -> bin 0 (an infinity's
-        # bin is the same either way once the product is cast).
-        return clip((np.where(c == c, c, 0.0) * self.bins).astype(np.int64), 0,
-                    self.bins - 1)
-
     def remember(self, rows: np.ndarray, conf: np.ndarray | None, keep: np.ndarray,
                  upto: np.ndarray | None = None) -> None:
         """Store the raw confidences of the kept drafts (NaN = none given);
@@ -83,13 +77,6 @@ class ConfidenceCalibrator:
         upto = keep if upto is None else upto
         remember_kept(rows, conf, np.asarray(upto, np.int64), a["conf_kept"],
                       a["conf_seen"])
-
-    def _global(self, j: np.ndarray, c: np.ndarray) -> np.ndarray:
-        """g_jb(c) for positions j and confidences c (same shapes)."""
-        b = self._bin(c)
-        k = self._STRENGTH
-        g = (self.gs[b] + k * c) / (self.gn[b] + k)
-        return (self.gps[j, b] + k * g) / (self.gpn[j, b] + k)
 
     def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray,
                 extra: tuple | None = None) -> None:
@@ -114,12 +101,11 @@ class ConfidenceCalibrator:
     def calibrate_at(self, rows: np.ndarray, j: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of single drafts: slot row, position
         (0-based; a tree node's depth - 1) and raw confidence per entry."""
-        c = unit_interval(conf.astype(np.float64))
-        g = self._global(np.minimum(j, self.depth - 1), c)
         a = self.slots.arrays
-        k = self._STRENGTH
-        level = (a["cal_s"][rows] + k) / (a["cal_e"][rows] + k)
-        return clip(odds_scale(g, level), EPS, 1.0 - EPS)
+        return calibrated_at(np.asarray(rows, np.int64),
+                             np.minimum(np.asarray(j, np.int64), self.depth - 1),
+                             np.asarray(conf, np.float64), self.gs, self.gn, self.gps,
+                             self.gpn, a["cal_s"], a["cal_e"], self._STRENGTH, EPS)
 
     def calibrate(self, rows: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities, same shape as ``conf`` (column j = draft

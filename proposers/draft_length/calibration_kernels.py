@@ -104,6 +104,14 @@ def learn_outcomes(rows, n, m, conf, extra_row, extra_depth, extra_conf, extra_o
 
 
 @cached_njit
+def _calibrated(j, c, level, gs, gn, gps, gpn, strength, eps):
+    """g_jb(c) moved by the request's ``level`` in odds, clipped."""
+    p = min(max(_global(j, c, gs, gn, gps, gpn, strength), eps), 1.0 - eps)
+    scaled = p * level
+    return min(max(scaled / (1.0 - p + scaled), eps), 1.0 - eps)
+
+
+@cached_njit
 def calibrated(rows, conf, gs, gn, gps, gpn, cal_s, cal_e, strength, eps):
     """[rows, width] calibrated probabilities of confidences ``conf``
     (column j: draft position j + 1; NaN stays NaN)."""
@@ -113,13 +121,21 @@ def calibrated(rows, conf, gs, gn, gps, gpn, cal_s, cal_e, strength, eps):
         level = (cal_s[rows[i]] + strength) / (cal_e[rows[i]] + strength)
         for j in range(width):
             c = conf[i, j]
-            if c != c:
-                out[i, j] = np.nan
-                continue
-            g = _global(j, min(max(c, 0.0), 1.0), gs, gn, gps, gpn, strength)
-            p = min(max(g, eps), 1.0 - eps)
-            scaled = p * level
-            out[i, j] = min(max(scaled / (1.0 - p + scaled), eps), 1.0 - eps)
+            out[i, j] = np.nan if c != c else _calibrated(
+                j, min(max(c, 0.0), 1.0), level, gs, gn, gps, gpn, strength, eps)
+    return out
+
+
+@cached_njit
+def calibrated_at(rows, positions, conf, gs, gn, gps, gpn, cal_s, cal_e, strength, eps):
+    """Calibrated probabilities of single drafts: slot row, position and
+    raw confidence per entry (NaN counts as 0)."""
+    out = np.empty(len(rows))
+    for e in range(len(rows)):
+        c = conf[e]
+        c = min(max(c, 0.0), 1.0) if c == c else 0.0
+        level = (cal_s[rows[e]] + strength) / (cal_e[rows[e]] + strength)
+        out[e] = _calibrated(positions[e], c, level, gs, gn, gps, gpn, strength, eps)
     return out
 
 
