@@ -142,11 +142,6 @@ class AcceptanceEstimator:
         """[len(rows), max_draft] conditional acceptance per position."""
         return self._probs_from(*self.counts(rows))
 
-    def position_rates(self) -> np.ndarray:
-        """Global conditional acceptance per position, shrunk to the pooled rate."""
-        g = self.global_rate
-        return (self._gps + 2.0 * g) / (self._gpn + 2.0)
-
     def _probs_from(self, s: np.ndarray, n: np.ndarray) -> np.ndarray:
         return probs_from(np.ascontiguousarray(s, np.float64),
                           np.ascontiguousarray(n, np.float64), self.global_rate,
