@@ -55,7 +55,7 @@ def test_one_source_always_stays_on():
     costs = SourceCosts(3)
     on = run(costs, SourceCosts.WARMUP + 40, [0.005, 0.001, 0.003], [0.0, 0.0, 0.0])
     assert on.any(1).all()
-    assert on[-1].tolist() == [False, True, False] or on[-1].sum() == 1
+    assert on[-1].tolist() == [False, True, False]   # none brings a token: the cheapest
 
 
 def test_off_by_option_every_source_runs():

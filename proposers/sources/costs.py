@@ -97,9 +97,9 @@ class SourceCosts:
                 on.append(self._since[k] >= self.PROBE_GAP)
                 if on[k]:   # a probe measures afresh
                     self._cost[k] = self._alone[k] = self._weight[k] = 0.0
-        if not any(on):   # the one that comes closest stays
-            ratios = [a / max(c, 1e-12) for a, c in zip(alone, cost)]
-            on[ratios.index(max(ratios))] = True
+        if not any(on):   # the one that comes closest stays; the cheapest of equals
+            k = max(range(len(on)), key=lambda k: (alone[k] / max(cost[k], 1e-12), -cost[k]))
+            on[k] = True
         for k in range(len(on)):
             if on[k] != self.on[k]:
                 self._since[k] = 0
