@@ -176,11 +176,18 @@ class PluginProposer(Drafter):
         return self.TOPK
 
     def draft_budget(self, ctx: StepContext, req_id: str) -> int:
-        """The most tokens worth drafting for a request this step."""
+        """The most tokens worth drafting for a request this step. Where
+        the controller chooses the next step's k, up to the engine's
+        ``max_draft``: its choice weighs drafts this step will not send."""
         length = ctx.max_draft
         if self._observation is not None:
+            if self._observation.step_k is not None:
+                length = self.max_draft
             length = min(length, self.controller.max_length(req_id, self._observation))
         return length
+
+    def next_step_k(self) -> int | None:
+        return None if self.controller is None else self.controller.next_step_k
 
     def drafting_requests(self, ctx: StepContext):
         """(row, request, draft budget) for each request that drafts this step.

@@ -122,3 +122,50 @@ def test_v2_hands_the_drafter_the_steps_k_and_verifies_no_more():
     assert "num_speculative_tokens=num_spec_tokens," in call[:call.index(")")]
     assert "draft_tokens[:, num_spec_tokens:] = -1" in tokens
     assert "num_spec_tokens = self.execute_model_state.num_spec_tokens_to_schedule" in tokens
+
+
+def test_v2_sample_tokens_proposes_and_returns_the_steps_output():
+    """``v2.step_k_report``: the drafter has proposed (and chosen the next
+    k) before ``sample_tokens`` returns the step's output, which the
+    executor hands to the scheduler's ``update_from_output``."""
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from vllm_plugins.bridge.v2.step_k import wrap_sample_tokens
+
+    tokens = inspect.getsource(GPUModelRunner.sample_tokens)
+    assert tokens.index("self.speculator.propose(") < tokens.rindex("return ")
+    assert "ModelRunnerOutput" in tokens
+
+    class Runner:
+        speculator = None
+
+        def sample_tokens(self, grammar_output):
+            return grammar_output
+
+    out = object()
+    assert wrap_sample_tokens(Runner.sample_tokens)(Runner(), out) is out
+
+
+def test_the_scheduler_takes_the_steps_k_from_its_lookup_by_request_count():
+    """``bridge.v2.step_k`` caps the scheduler's k through
+    ``dynamic_sd_lookup``: the scheduler indexes it by the step's request
+    count for ``num_spec_tokens_to_schedule`` and otherwise only tests it
+    against None; the async scheduler sizes its placeholders from that
+    output field, and V2's runner hands it to the drafter."""
+    import re
+
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    schedule = inspect.getsource(Scheduler.schedule)
+    assert re.search(r"num_spec_tokens_to_schedule = self\.dynamic_sd_lookup\[\s*"
+                     r"len\(num_scheduled_tokens\)\s*\]", schedule)
+    assert "num_spec_tokens_to_schedule=num_spec_tokens_to_schedule," in schedule
+    uses = re.findall(r"self\.dynamic_sd_lookup[^\n]*", schedule)
+    assert uses and all("is None" in u or "is not None" in u or u.endswith("[")
+                        for u in uses), uses
+    init = inspect.getsource(Scheduler.__init__)
+    assert "self.dynamic_sd_lookup: list[int] | None = None" in init
+    assert "self.num_spec_tokens = " in init
+    after = inspect.getsource(AsyncScheduler._update_after_schedule)
+    assert "scheduler_output.num_spec_tokens_to_schedule" in after

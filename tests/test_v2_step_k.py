@@ -37,7 +37,7 @@ class Counting(PluginProposer):
         super().__init__(options={"draft_length": draft_length})
         self.vocab_size = VOCAB
         self.greedy = greedy
-        self.contexts, self.sent, self.kept = [], [], []
+        self.contexts, self.sent, self.kept, self.drafted = [], [], [], []
 
     def draft(self, ctx):
         self.contexts.append(ctx)
@@ -45,6 +45,7 @@ class Counting(PluginProposer):
         for i, r, budget in self.drafting_requests(ctx):
             n = K if self.greedy else budget
             tokens[i] = [int(r.context[-1]) + 1 + j for j in range(n)]
+        self.drafted.append([len(t) for t in tokens])
         return Drafts(tokens)
 
     def proposed(self, ctx, drafts):
@@ -153,3 +154,21 @@ def test_without_a_step_k_the_engines_k_holds():
     assert proposer.contexts[0].max_draft == K and first == [5, 6, 7, 8]
     spec = speculator(Counting())
     assert run_step(spec, [1, 2, 3, 4], 3, [3], 1, None) == [5, 6, 7, 8]
+
+
+def test_goodput_drafts_past_the_steps_k_sends_it_and_chooses_the_next():
+    """With ``goodput`` the controller chooses the next step's k: the
+    proposer drafts past this step's k (the choice weighs those drafts),
+    sends and records this step's k, and the drafter reports a k for V2's
+    scheduler (``bridge.v2.step_k``)."""
+    proposer = Counting("goodput")
+    spec = speculator(proposer)
+    assert spec.next_step_k() is None   # nothing chosen yet
+    first = run_step(spec, [1, 2, 3, 4], 3, [3], 1, 1)
+    ctx = proposer.contexts[0]
+    assert ctx.steers_step_k and ctx.max_draft == 1
+    assert proposer.drafted[0][0] > 1
+    assert proposer.sent[0] == [[5]] and first == [5, 5, 5, 5]
+    assert 0 <= spec.next_step_k() <= K
+    spec.steers_step_k = False   # as under data parallelism
+    assert spec.next_step_k() is None

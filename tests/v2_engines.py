@@ -9,7 +9,7 @@ after the other, and reads back one JSON object:
     python -m tests.v2_engines greedy   # tiny model: every method vs plain V2
     python -m tests.v2_engines preempted  # tiny model: preemption and an abort
     python -m tests.v2_engines draft_logits  # V2's rejection sampler, our rows
-    python -m tests.v2_engines step_k     # tiny model: the step's k by batch size
+    python -m tests.v2_engines step_k     # tiny model: the step's k, by batch size and chosen
 
 V2's own kernels run in Triton's interpreter here, so the scenarios keep to
 short outputs; the tiny model is enough where only exactness is asked.
@@ -125,6 +125,14 @@ STEP_K_SPECS = {
 }
 
 
+# The step's k chosen by our goodput controller (bridge/v2/step_k.py), no
+# schedule: it explores ks while its cost model warms up.
+CHOSEN_K_SPECS = {
+    "token_recycling_goodput": {"method": "token_recycling", "draft_length": "goodput",
+                                "min_confidence": 0.0, "num_speculative_tokens": 3},
+}
+
+
 def step_k(tmp: str) -> dict:
     from vllm import SamplingParams
 
@@ -136,10 +144,10 @@ def step_k(tmp: str) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
               for n in STEP_K_TOKENS]
     out: dict = {}
-    for name, spec in {"plain": None, **STEP_K_SPECS}.items():
-        if spec is not None:
-            spec = {**spec, "num_speculative_tokens": 2,
-                    "num_speculative_tokens_per_batch_size": STEP_K_SCHEDULE}
+    scheduled = {name: {**spec, "num_speculative_tokens": 2,
+                        "num_speculative_tokens_per_batch_size": STEP_K_SCHEDULE}
+                 for name, spec in STEP_K_SPECS.items()}
+    for name, spec in {"plain": None, **scheduled, **CHOSEN_K_SPECS}.items():
         llm = build_engine(path, spec, max_num_seqs=8, max_model_len=512)
         try:
             results = llm.generate(prompts, params, use_tqdm=False)

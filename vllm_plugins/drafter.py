@@ -76,6 +76,14 @@ class Drafter(Counted):
         """This drafter's device route, where it has one."""
         return None
 
+    def next_step_k(self) -> int | None:
+        """The batch-wide draft length this drafter wants verified after
+        its next step, decided in the step that just ran (``step`` with
+        ``StepContext.steers_step_k``); None: no choice, the runner's k holds.
+        A runner that verifies one k for every request (Model Runner V2)
+        schedules it one step late."""
+        return None
+
 
 @dataclass
 class DeviceStep:

@@ -69,6 +69,12 @@ class StepContext:
     # batch size (Model Runner V2 with vLLM's
     # num_speculative_tokens_per_batch_size; 0: no drafts this step).
     max_draft: int = 1
+    # Whether the runner verifies one k for the whole batch and takes the
+    # next step's k from the drafter (Model Runner V2: ``Drafter.next_step_k``).
+    # Drafting may then run to the engine's num_speculative_tokens, so a
+    # controller weighs every k; what this step sends is still cut to
+    # max_draft.
+    steers_step_k: bool = False
     # Seconds the engine spent on the previous step (forward + sampling), if known.
     last_step_seconds: float | None = None
     # Tokens the previous step scheduled in total (all requests, drafts included).

@@ -55,6 +55,10 @@ class Observation:
     explore_cap: int | None = None
     # goodput: the step rests (no drafting, no learning).
     resting: bool = False
+    # goodput, where the runner verifies one k for all and takes the next
+    # from us (StepContext.steers_step_k): the k this step's drafts are
+    # verified at (None: the runner does not take our k).
+    step_k: int | None = None
 
 
 class DraftLengthController:
@@ -84,6 +88,9 @@ class DraftLengthController:
         self.no_draft = 0        # request-steps where the proposer offered none
         self.probes = 0
         self.hist = np.zeros(self.max_draft + 1, dtype=np.int64)
+        # The batch-wide k wanted for the next step, where the runner takes
+        # one from us (Observation.step_k); None: no choice made.
+        self.next_step_k: int | None = None
 
     @property
     def rests_next_step(self) -> bool:

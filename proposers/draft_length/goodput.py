@@ -55,6 +55,25 @@ def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
 _NO_SIZES = np.zeros(0, np.int64)
 
 
+def uniform_step_k(q: np.ndarray, valid: np.ndarray, intercept: float, slope: float,
+                   verify_step_s: float = 0.0) -> tuple[int, float, float]:
+    """The one k for every row maximising (B + sum_i sum_{j<k} q_ij) / t(B (1 + k)),
+    t as in ``goodput_allocation`` without the shape term: a runner that
+    verifies k drafts of every request (padding a shorter one) pays for
+    B (1 + k) tokens whatever each row offered, so the rows' allocation is
+    not free, only k. Returns (k, expected goodput, expected tokens)."""
+    batch, width = q.shape
+    tokens = np.empty(width + 1)
+    tokens[0] = batch
+    np.cumsum(np.where(valid, q, 0.0).sum(axis=0), out=tokens[1:])
+    tokens[1:] += batch
+    ks = np.arange(width + 1)
+    cost = intercept + slope * batch * (1 + ks) + np.where(ks > 0, verify_step_s, 0.0)
+    goodput = tokens / np.maximum(cost, 1e-300)
+    k = int(np.argmax(goodput))
+    return k, float(goodput[k]), float(tokens[k])
+
+
 @cached_njit
 def _allocation(q, valid, intercept, slope, verify_step_s, new_shape_s, warm_tokens,
                 shapes_known):
@@ -133,6 +152,10 @@ class GoodputController(EstimatingController):
     # beat) by more than this.
     _TAU_TOLERANCE = 0.02
     _IDLE_PROBE_GAP = 64   # steps: at most 1 in 64 forced to verify nothing
+    # Where the runner takes our k: after this many steps choosing k = 0 in
+    # a row, one step verifies a draft, so the estimates that chose 0 still
+    # learn (with k = 0 nothing is verified).
+    _STEP_K_PROBE_GAP = 16
 
     def __init__(self, max_draft: int, options: dict):
         self.uses_confidence = bool(options["use_confidence"])
@@ -147,6 +170,9 @@ class GoodputController(EstimatingController):
         self._idle_probe_at = -self._IDLE_PROBE_GAP
         self.idle_probes = 0
         self.gap_s: float | None = None   # mean engine time around the runner
+        self.step_k_hist = np.zeros(self.max_draft + 1, dtype=np.int64)
+        self.step_k_probes = 0
+        self._zero_step_k_run = 0
 
     @property
     def rests_next_step(self) -> bool:
@@ -158,9 +184,13 @@ class GoodputController(EstimatingController):
     # ------------------------------------------------------------ observe
     def observe(self, ctx: StepContext) -> Observation:
         idle = self._idle_goodput(len(ctx.requests)) if self.cost.warm else float("nan")
+        step_k = ctx.max_draft if ctx.steers_step_k else None
         if self.rest.start_step(ctx, self.steps, idle):
-            return self._observe_resting(ctx)
+            observation = self._observe_resting(ctx)
+            observation.step_k = step_k
+            return observation
         observation = self._learn(ctx)
+        observation.step_k = step_k
         self._observe_cost(ctx)
         observation.explore_cap = self._explore_cap(observation.batch)
         self._bound(ctx, observation)
@@ -271,17 +301,27 @@ class GoodputController(EstimatingController):
 
     def decide(self, ctx: StepContext, drafts: Drafts, observation: Observation) -> list[int]:
         if observation.resting:   # the proposer does not ask; keep nothing if it does
+            if observation.step_k is not None:
+                self._choose_next_step_k(0)
             return [0] * len(drafts.tokens)
         keep, offered = self._decide_counted(ctx, drafts, observation)
-        self.rest.after_decide(ctx, any(keep), offered, self._may_rest)
+        # Where the runner takes our k, what counts towards a rest is the k
+        # chosen, not what this step's (older) k lets through.
+        kept = any(keep) if observation.step_k is None else bool(self.next_step_k)
+        self.rest.after_decide(ctx, kept, offered, self._may_rest)
         return keep
 
     def _choose(self, lengths, q, valid, observation) -> np.ndarray:
         batch = len(lengths)
         if observation.explore_cap is not None:
             self.explore_steps += 1
+            if observation.step_k is not None:
+                self._choose_next_step_k(observation.explore_cap)
+                return np.minimum(lengths, observation.step_k)
             return np.minimum(lengths, observation.explore_cap)
         a, b = self.cost.line(batch)
+        if observation.step_k is not None:
+            return self._choose_step_k(lengths, q, valid, observation, a, b)
         keep, goodput, tokens = self._allocate(q, valid, a, b)
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
@@ -297,6 +337,42 @@ class GoodputController(EstimatingController):
         tau = b * goodput
         self._probe_scale = 0 if tau >= 1.0 else int(min(8, max(1, round(1 / (1 - tau)))))
         return keep
+
+    def _choose_step_k(self, lengths, q, valid, observation, a: float, b: float
+                       ) -> np.ndarray:
+        """Where the runner verifies one k for all: this step's drafts are
+        verified at ``observation.step_k`` whatever is kept (the scheduler
+        chose it a step ago), so each row keeps all of its up to that; the
+        rule chooses the k of the next step (``uniform_step_k``). Resting
+        is choosing 0 with the top-k and learning skipped too."""
+        batch = len(lengths)
+        k, goodput, tokens = uniform_step_k(q, valid, a, b, self.cost.verify_step_s)
+        self.last_expected_goodput = goodput
+        self.last_expected_tokens = tokens
+        self.rest.promised = goodput
+        idle = self._idle_goodput(batch)
+        if self._may_rest() and self.rest.beats_drafting(batch, goodput, idle, self.steps):
+            self.rest.decided = True
+            self.rest.promised = idle
+            self._choose_next_step_k(0)
+            return np.zeros_like(lengths)
+        self._choose_next_step_k(k)
+        return np.minimum(lengths, observation.step_k)
+
+    def _choose_next_step_k(self, k: int) -> None:
+        """Records the next step's k; a long run of 0 is broken by one
+        step at 1 (``_STEP_K_PROBE_GAP``)."""
+        if k == 0 and not self.rest.pending:
+            self._zero_step_k_run += 1
+            if self._zero_step_k_run >= self._STEP_K_PROBE_GAP:
+                self._zero_step_k_run = 0
+                self.step_k_probes += 1
+                k = 1
+        else:
+            self._zero_step_k_run = 0
+        k = min(int(k), self.max_draft)
+        self.next_step_k = k
+        self.step_k_hist[k] += 1
 
     def _allocate(self, q: np.ndarray, valid: np.ndarray, intercept: float, slope: float
                   ) -> tuple[np.ndarray, float, float]:
@@ -320,6 +396,9 @@ class GoodputController(EstimatingController):
         out["own_ms_per_step"] = self.rest.modes.own_table()
         out["engine_gap_ms"] = None if self.gap_s is None else round(1e3 * self.gap_s, 3)
         out["idle_probes"] = self.idle_probes
+        if self.step_k_hist.any():
+            out["step_k_histogram"] = self.step_k_hist.tolist()
+            out["step_k_probes"] = self.step_k_probes
         out["cost_model"] = self.cost.coefficients()
         g = self.last_expected_goodput
         out["last_expected_goodput"] = None if math.isnan(g) else g

@@ -43,6 +43,7 @@ import os
 from typing import Any
 
 from . import counters, grammar_weights
+from .v2 import step_k
 
 logger = logging.getLogger("vllm_plugins")
 
@@ -292,7 +293,9 @@ def wrap_update_from_output(original):
     # The AWRS weights of the step's committed tokens are added after it
     # (grammar_weights), and the step's growth of our counters goes onto the
     # SchedulerStats it returns (bridge.counters): update_from_output is the
-    # one call that sees both a worker's output and the step's stats.
+    # one call that sees both a worker's output and the step's stats. The k
+    # our controller wants next on V2 reaches the scheduler here too
+    # (bridge.v2.step_k).
     @functools.wraps(original)
     def update_from_output(self, scheduler_output, model_runner_output):
         errors = getattr(model_runner_output, ERRORS_ATTR, None)
@@ -301,6 +304,7 @@ def wrap_update_from_output(original):
         outputs = original(self, scheduler_output, model_runner_output)
         grammar_weights.after_update(self, model_runner_output, weighed, outputs)
         counters.to_scheduler_stats(outputs, model_runner_output, grammar_failures=ended)
+        step_k.from_output(self, model_runner_output)
         return outputs
 
     return update_from_output

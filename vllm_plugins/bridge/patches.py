@@ -16,6 +16,7 @@ from vllm_plugins.bridge.patching import Patch
 from vllm_plugins.bridge.v1 import runner, verify_processors
 from vllm_plugins.bridge.v2 import gate as v2_gate
 from vllm_plugins.bridge.v2 import speculator as v2_speculator
+from vllm_plugins.bridge.v2 import step_k as v2_step_k
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
@@ -45,6 +46,11 @@ PATCHES: tuple[Patch, ...] = (
           "target handed to our proposer",
           _V2_PINS + "test_v2_runner_samples_through_its_sampler_attributes",
           v2_speculator.wrap_load_model),
+    Patch("v2.step_k_report", _V2_RUNNER + ":GPUModelRunner.sample_tokens",
+          "after V2's drafter proposed, the batch-wide k our controller wants "
+          "next rides the step's output to the scheduler (bridge.v2.step_k)",
+          _V2_PINS + "test_v2_sample_tokens_proposes_and_returns_the_steps_output",
+          v2_step_k.wrap_sample_tokens),
     Patch("config.speculative_method",
           "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
           "our method names become vLLM's custom_class route; our options are "
@@ -193,7 +199,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch("grammar.end_on_matcher_errors", _SCHEDULER + ".update_from_output",
           "a request whose grammar failed ends with finish reason error, "
           "not a silent stop; an AWRS request's weights add up and reach its "
-          "output; the step's growth of our counters goes onto its SchedulerStats",
+          "output; the step's growth of our counters goes onto its SchedulerStats; "
+          "on V2, the k our controller wants next caps the scheduler's k",
           _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_update_from_output),
     Patch("metrics.worker_counters", "vllm.v1.worker.gpu_worker:Worker.sample_tokens",
@@ -285,7 +292,6 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.v1.worker.gpu.spec_decode.speculator:BaseSpeculator",
     "vllm.v1.worker.gpu.states:RequestState",
     "vllm.v1.worker.gpu.input_batch:InputBatch",
-    _V2_RUNNER + ":GPUModelRunner.sample_tokens",
     _V2_RUNNER + ":GPUModelRunner.sample",
 )
 

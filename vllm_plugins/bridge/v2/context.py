@@ -66,10 +66,12 @@ def _host(t: torch.Tensor) -> np.ndarray:
 
 def build_context(req_states, input_batch, num_sampled: torch.Tensor,
                   topk: VerifiedTopk | None, book: RequestBook, max_draft: int,
-                  times: StepTimes, step_max_draft: int | None = None) -> StepContext:
+                  times: StepTimes, step_max_draft: int | None = None,
+                  steers_step_k: bool = False) -> StepContext:
     """``max_draft``: the engine's ``num_speculative_tokens`` (a request's
     own ``max_draft`` is checked against it). ``step_max_draft``: the step's
     k where V2's scheduler chose a smaller one; the context's ``max_draft``.
+    ``steers_step_k``: our controller chooses the next step's k.
 
     ``num_draft`` is read from the rows V2 verified (``cu_num_logits``),
     not from what we sent: drafts the scheduler did not schedule are
@@ -117,6 +119,7 @@ def build_context(req_states, input_batch, num_sampled: torch.Tensor,
         requests=requests,
         finished=finished,
         max_draft=max_draft if step_max_draft is None else step_max_draft,
+        steers_step_k=steers_step_k,
         last_step_seconds=times.step_seconds,
         last_step_tokens=int(input_batch.num_tokens),
         last_propose_seconds=times.propose_seconds,

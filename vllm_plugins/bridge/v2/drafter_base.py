@@ -33,6 +33,10 @@ class V2Drafter:
         self.pcp_manager = None
         # Our one state object on the runner (``attach``): counters, digests.
         self.state = RunnerState(proposer=proposer)
+        # Whether our controller may choose the step's k (``step_k``): not
+        # under data parallelism, where vLLM keeps its own dynamic k off.
+        parallel = getattr(vllm_config, "parallel_config", None)
+        self.steers_step_k = getattr(parallel, "data_parallel_size", 1) <= 1
 
     def init_cudagraph_manager(self, cudagraph_mode) -> None:
         """Nothing of ours to capture."""
@@ -48,6 +52,11 @@ class V2Drafter:
         self.state = attach(runner, self.proposer)
         self.proposer.load_model(runner.model)
         ranks.join_tensor_parallel()
+
+    def next_step_k(self) -> int | None:
+        """The k our drafter wants V2's scheduler to give the next step
+        (``step_k``); None: the scheduler's own."""
+        return self.proposer.next_step_k() if self.steers_step_k else None
 
     def observe_params(self, req_index: int, sampling_params) -> None:
         """A new request's parameters (the sampler tap)."""

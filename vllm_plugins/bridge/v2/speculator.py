@@ -15,7 +15,8 @@ is batch-wide: the engine's ``num_speculative_tokens``, or the step's where
 vLLM picks one by batch size (``num_speculative_tokens_per_batch_size``).
 The step's k is the context's ``max_draft``, so the controllers choose
 within it and the proposer sends (and remembers sending) no more than V2
-verifies.
+verifies; the ``goodput`` controller also chooses the next step's k, which
+reaches the scheduler through ``step_k``.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class PluginSpeculator(V2Drafter):
         ctx = build_context(self.req_states, input_batch, num_sampled, topk, self.book,
                             self.proposer.max_draft,
                             StepTimes(step_seconds, propose_seconds, topk_seconds),
-                            step_max_draft=step_k)
+                            step_max_draft=step_k, steers_step_k=self.steers_step_k)
         self.state.counters.count([list(r.accepted) for r in ctx.requests],
                                   [r.num_draft for r in ctx.requests])
         start = time.perf_counter()

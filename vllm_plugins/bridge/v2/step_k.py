@@ -1,0 +1,85 @@
+"""The step's k on Model Runner V2, chosen by our draft-length controller.
+
+V2 verifies one k for every request of a step, and its scheduler picks
+that k: the engine's ``num_speculative_tokens``, or by batch size from
+vLLM's ``num_speculative_tokens_per_batch_size`` (the scheduler's
+``dynamic_sd_lookup``, indexed by the step's request count). Our
+``goodput`` controller weighs every k against the step's measured cost
+(``goodput.uniform_step_k``) and says which it wants next
+(``Drafter.next_step_k``). The choice travels the path our counters take:
+
+  worker        V2's ``GPUModelRunner.sample_tokens`` (patch
+                ``v2.step_k_report``), after the drafter proposed, puts it
+                on the step's ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
+  engine core   ``Scheduler.update_from_output`` (``from_output``) makes the
+                scheduler's ``dynamic_sd_lookup`` a ``ChosenStepK``: the
+                configured k for the batch size (or the engine's) capped by
+                the last choice
+
+So the scheduler sets the next step's ``num_spec_tokens_to_schedule`` to it
+with no change to its own code, sync or async (an async scheduler reads it
+one step later still). A user's schedule stays a cap. Under data
+parallelism nothing is reported, as vLLM keeps its own dynamic k off there
+(ranks choosing different ks would diverge).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+#: ModelRunnerOutput attribute: {"k": the batch-wide k wanted next}.
+OUTPUT_ATTR = "vllm_plugins_step_k"
+
+
+class ChosenStepK:
+    """The scheduler's ``dynamic_sd_lookup`` once our controller chose a k:
+    ``self[batch_size]`` is the configured k for that batch size, capped
+    by ``chosen``. The scheduler only indexes it (and reads it as set)."""
+
+    def __init__(self, configured: list[int] | None, num_spec_tokens: int):
+        self.configured = configured
+        self.num_spec_tokens = int(num_spec_tokens)
+        self.chosen = self.num_spec_tokens
+
+    def __getitem__(self, batch_size: int) -> int:
+        limit = self.num_spec_tokens if self.configured is None else self.configured[batch_size]
+        return min(limit, self.chosen)
+
+    def __len__(self) -> int:
+        return 0 if self.configured is None else len(self.configured)
+
+
+def from_output(scheduler: Any, model_runner_output: Any) -> None:
+    """After a step's output reached the scheduler: the k our drafter wants
+    next becomes the cap of the scheduler's k (installing ``ChosenStepK``
+    at the first choice)."""
+    report = getattr(model_runner_output, OUTPUT_ATTR, None)
+    if not report:
+        return
+    lookup = scheduler.dynamic_sd_lookup
+    if not isinstance(lookup, ChosenStepK):
+        lookup = ChosenStepK(lookup, scheduler.num_spec_tokens)
+        scheduler.dynamic_sd_lookup = lookup
+    lookup.chosen = max(0, min(int(report["k"]), lookup.num_spec_tokens))
+
+
+def wrap_sample_tokens(original):
+    # vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample_tokens(self,
+    #     grammar_output) samples the step, runs self.speculator.propose and
+    #     returns the step's ModelRunnerOutput (or an async one).
+    @functools.wraps(original)
+    def sample_tokens(self, grammar_output, *args, **kwargs):
+        out = original(self, grammar_output, *args, **kwargs)
+        from vllm_plugins.bridge.v2.drafter_base import V2Drafter
+
+        speculator = getattr(self, "speculator", None)
+        if isinstance(speculator, V2Drafter):
+            k = speculator.next_step_k()
+            if k is not None:
+                from vllm_plugins.bridge.grammar_hold import attach_to_output
+
+                attach_to_output(out, {OUTPUT_ATTR: {"k": int(k)}})
+        return out
+
+    return sample_tokens
