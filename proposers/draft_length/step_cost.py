@@ -8,7 +8,9 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import choice, flag, integer, number
-from vllm_plugins.proposers.jit import cached_njit
+from vllm_plugins.proposers.draft_length.step_cost_kernels import (NEW_SHAPE, TREE, VERIFY,
+                                                                   design, nnls, refit, screen,
+                                                                   spread)
 
 # Options of the goodput policy's step-time model.
 COST_OPTIONS = (
@@ -93,6 +95,9 @@ class StepCostModel:
         self._y = np.zeros(cost_window)
         self._len = 0
         self._pos = 0
+        # Window rows that verified drafts, and that verified a tree.
+        self._verifying = 0
+        self._trees = 0
         self.num_observed = 0
         self._dirty = False
         self._coef = (1.0, prior_token_cost, 0.0, 0.0)
@@ -104,12 +109,21 @@ class StepCostModel:
         self._outliers = 0
         self._fitted_at = 0
         self.slope_se = float("inf")   # standard error of b (s/token)
+        # The refit's arguments and result, by column code (step_cost_kernels).
+        self._used = np.zeros(3, np.bool_)
+        self._last = np.zeros(3)
+        self._got = np.zeros(7)
 
     def observe(self, tokens: float, batch: float, seconds: float,
                 verifies: bool = True, new_shape: bool = False, tree: bool = False,
                 context: float = 0.0) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
+        if self._len == self.window:   # the oldest row goes
+            self._verifying -= int(self._x[self._pos, 2] > 0)
+            self._trees -= int(self._x[self._pos, 4] > 0)
+        self._verifying += int(bool(verifies))
+        self._trees += int(bool(tree))
         self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape), float(tree),
                               float(context))
         self._y[self._pos] = seconds
@@ -128,15 +142,14 @@ class StepCostModel:
         tell the verify-step cost apart from the intercept."""
         if not self.use_verify_step:
             return False
-        idle = int(self._len - self._x[:self._len, 2].sum())
-        return idle < self._MIN_MODE_STEPS
+        return self._len - self._verifying < self._MIN_MODE_STEPS
 
     def needs_tree_step(self) -> bool:
         """Whether the window holds too few steps that verified a tree to
         fit the tree-step cost (it then keeps its last estimate)."""
         if not self.use_tree_step:
             return False
-        return int(self._x[:self._len, 4].sum()) < self._MIN_MODE_STEPS
+        return self._trees < self._MIN_MODE_STEPS
 
     def line(self, batch: int) -> tuple[float, float]:
         """(intercept, slope) of t(tokens) for a step of ``batch`` requests
@@ -172,66 +185,62 @@ class StepCostModel:
         n = self._len
         if n < self.warmup:
             return
-        tok, bat, y = self._x[:n, 0], self._x[:n, 1], self._y[:n]
-        if np.ptp(tok) <= 0:
+        used = self._used
+        used[:] = (self.use_verify_step, self.use_shape, self.use_tree_step)
+        last = self._last
+        last[:] = (self.verify_step_s, self.new_shape_s, self.tree_step_s)
+        got = self._got
+        status, codes, dropped, rmse, slope_se = refit(
+            self._x, self._y, n, self.use_batch, self.use_context, used, last,
+            float(self._MIN_MODE_STEPS), got)
+        if status == 0:
             return  # one token count: the slope is not identifiable yet
-        cols = [np.ones(n), tok]
-        names = ["a", "b"]
-        if self.use_batch and _independent(tok, bat):
-            cols.append(bat)
-            names.append("c")
-        if self.use_context and _independent(tok, self._x[:n, 5]) \
-                and ("c" not in names or _independent(bat, self._x[:n, 5])):
-            cols.append(self._x[:n, 5])
-            names.append("d")
-        y = y.copy()
-        for col, name, used in ((2, "verify_step_s", self.use_verify_step),
-                                (3, "new_shape_s", self.use_shape),
-                                (4, "tree_step_s", self.use_tree_step)):
-            marked = self._x[:n, col]
-            ones = int(marked.sum())
-            if used and min(ones, n - ones) >= self._MIN_MODE_STEPS and _independent(tok, marked):
-                cols.append(marked)
-                names.append(name)
-            else:
-                # Too few steps of one kind to fit it: the last estimate
-                # stands, and the few flagged steps are corrected by it
-                # rather than pulling the line (a long rest leaves a window
-                # of idle steps with a handful of verifying ones).
-                y -= marked * getattr(self, name)
-        x = np.stack(cols, 1)
-        coef = self._nnls(x, y)
-        resid = y - x @ coef
-        mad = np.median(np.abs(resid - np.median(resid)))
-        keep = np.abs(resid) <= 5.0 * 1.4826 * mad + 1e-12 * max(float(y.mean()), 1e-12)
-        self._outliers = int(n - keep.sum())
-        if 0 < self._outliers and keep.sum() >= max(3, x.shape[1] + 1):
-            coef = self._nnls(x[keep], y[keep])
-            resid = y[keep] - x[keep] @ coef
-        self._rmse = float(np.sqrt(np.mean(resid ** 2)))
-        xk = x[keep] if 0 < self._outliers and keep.sum() >= x.shape[1] + 1 else x
-        dof = max(len(xk) - xk.shape[1], 1)
-        try:
-            cov = np.linalg.inv(xk.T @ xk) * float(np.sum(resid ** 2)) / dof
-            self.slope_se = float(np.sqrt(max(cov[1, 1], 0.0)))
-        except np.linalg.LinAlgError:
-            self.slope_se = float("inf")
-        got = dict(zip(names, (float(v) for v in coef)))
-        self._coef = (got["a"], got["b"], got.get("c", 0.0), got.get("d", 0.0))
-        self.verify_step_s = got.get("verify_step_s", self.verify_step_s)
-        self.new_shape_s = got.get("new_shape_s", self.new_shape_s)
-        self.tree_step_s = got.get("tree_step_s", self.tree_step_s)
+        if status == 2:
+            codes, dropped, rmse, slope_se = self._refit_numpy(n, got)
+        self._outliers, self._rmse, self.slope_se = int(dropped), float(rmse), float(slope_se)
+        a, b, c, d, verify, shape, tree = got.tolist()
+        self._coef = (a, b, c, d)
+        fitted = set(codes.tolist())
+        if VERIFY in fitted:
+            self.verify_step_s = verify
+        if NEW_SHAPE in fitted:
+            self.new_shape_s = shape
+        if TREE in fitted:
+            self.tree_step_s = tree
         self._warm = True
+
+    def _refit_numpy(self, n: int, got: np.ndarray):
+        """``refit`` where a column subset is exactly singular: the same
+        steps with numpy's fit (``_nnls``); returns what ``refit`` does."""
+        x, y, codes = design(self._x, self._y, n, self.use_batch, self.use_context,
+                             self._used, self._last, float(self._MIN_MODE_STEPS))
+        coef = self._nnls(x, y)
+        keep, dropped = screen(x, y, coef)
+        if 0 < dropped and n - dropped >= max(3, x.shape[1] + 1):
+            x, y = x[keep], y[keep]
+            coef = self._nnls(x, y)
+        rmse, slope_se = spread(x, y, coef)
+        got[:] = 0.0
+        got[codes] = coef
+        return codes, dropped, rmse, slope_se
 
     @staticmethod
     def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         """Least squares with all coefficients >= 0, exact: the non-negative
         optimum is the plain fit on its own support, so the best of the
         plain fits on every subset of the <= 7 columns that come out
-        non-negative is it. All subsets are solved at once on the p x p
-        normal equations of max-scaled columns (SSE = y.y - c.h): one pass
-        over the window, then one batched p x p solve (one ``lstsq`` per
-        subset was a third of the controller's time)."""
+        non-negative is it. Every subset is solved on the p x p normal
+        equations of max-scaled columns (SSE = y.y - c.h), compiled
+        (``step_cost_kernels.nnls``); where a subset's matrix is exactly
+        singular, by numpy (``_nnls_numpy``), whose least-squares answer
+        for it the compiled loop does not give."""
+        coef, ok = nnls(x, y)
+        return coef if ok else StepCostModel._nnls_numpy(x, y)
+
+    @staticmethod
+    def _nnls_numpy(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``_nnls`` batched in numpy: one batched p x p solve, every
+        subset's ``lstsq`` where one is singular."""
         scale = np.maximum(np.abs(x).max(0), 1e-12)
         xs = x / scale
         g, h = xs.T @ xs, xs.T @ y
@@ -293,31 +302,3 @@ class RecentSizes:
         if self.capacity <= 0:
             return None
         return np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
-
-
-@cached_njit
-def _independent(tok: np.ndarray, other: np.ndarray) -> bool:
-    """Whether ``other`` varies, and not in lockstep with ``tok`` (|Pearson
-    correlation| under 0.98; one compiled pass, the refit asks up to four
-    times)."""
-    n = len(tok)
-    lo = hi = other[0]
-    mean_t = mean_o = 0.0
-    for i in range(n):
-        lo = min(lo, other[i])
-        hi = max(hi, other[i])
-        mean_t += tok[i]
-        mean_o += other[i]
-    if not hi - lo > 0:
-        return False
-    mean_t /= n
-    mean_o /= n
-    stt = soo = sto = 0.0
-    for i in range(n):
-        dt = tok[i] - mean_t
-        do = other[i] - mean_o
-        stt += dt * dt
-        soo += do * do
-        sto += dt * do
-    corr = sto / np.sqrt(stt * soo)
-    return bool(np.isfinite(corr) and abs(corr) < 0.98)

@@ -1,0 +1,133 @@
+"""The step-time model's compiled refit against the numpy it replaced
+(written out here as the reference): same columns, same outliers, the same
+coefficients, spread and slope error up to the last bits of a solve."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_plugins.proposers.draft_length.step_cost import StepCostModel
+from vllm_plugins.proposers.draft_length.step_cost_kernels import independent as _independent
+
+TERMS = ("verify_step_s", "new_shape_s", "tree_step_s")
+
+
+def reference_refit(m: StepCostModel):
+    """The numpy refit over ``m``'s window: (a, b, c, d), the step terms,
+    outliers, rmse, slope standard error; None where the token count has
+    not varied."""
+    n = m._len
+    tok, bat, y = m._x[:n, 0], m._x[:n, 1], m._y[:n]
+    if np.ptp(tok) <= 0:
+        return None
+    cols, names = [np.ones(n), tok], ["a", "b"]
+    if m.use_batch and _independent(tok, bat):
+        cols.append(bat)
+        names.append("c")
+    if m.use_context and _independent(tok, m._x[:n, 5]) \
+            and ("c" not in names or _independent(bat, m._x[:n, 5])):
+        cols.append(m._x[:n, 5])
+        names.append("d")
+    y = y.copy()
+    terms = {t: getattr(m, t) for t in TERMS}
+    for col, name, used in ((2, TERMS[0], m.use_verify_step), (3, TERMS[1], m.use_shape),
+                            (4, TERMS[2], m.use_tree_step)):
+        marked = m._x[:n, col]
+        ones = int(marked.sum())
+        if used and min(ones, n - ones) >= m._MIN_MODE_STEPS and _independent(tok, marked):
+            cols.append(marked)
+            names.append(name)
+        else:
+            y -= marked * terms[name]
+    x = np.stack(cols, 1)
+    coef = StepCostModel._nnls_numpy(x, y)
+    resid = y - x @ coef
+    mad = np.median(np.abs(resid - np.median(resid)))
+    keep = np.abs(resid) <= 5.0 * 1.4826 * mad + 1e-12 * max(float(y.mean()), 1e-12)
+    outliers = int(n - keep.sum())
+    if 0 < outliers and keep.sum() >= max(3, x.shape[1] + 1):
+        coef = StepCostModel._nnls_numpy(x[keep], y[keep])
+        resid = y[keep] - x[keep] @ coef
+    rmse = float(np.sqrt(np.mean(resid ** 2)))
+    xk = x[keep] if 0 < outliers and keep.sum() >= x.shape[1] + 1 else x
+    dof = max(len(xk) - xk.shape[1], 1)
+    try:
+        cov = np.linalg.inv(xk.T @ xk) * float(np.sum(resid ** 2)) / dof
+        slope_se = float(np.sqrt(max(cov[1, 1], 0.0)))
+    except np.linalg.LinAlgError:
+        slope_se = float("inf")
+    got = dict(zip(names, (float(v) for v in coef)))
+    terms.update({t: got[t] for t in TERMS if t in got})
+    return ((got["a"], got["b"], got.get("c", 0.0), got.get("d", 0.0)),
+            tuple(terms[t] for t in TERMS), outliers, rmse, slope_se)
+
+
+def _window(rng, features, batch_varies):
+    m = StepCostModel(cost_features=features, cost_window=int(rng.choice([32, 256])),
+                      warmup=8)
+    a, b, c, d = 0.02, rng.uniform(0.0, 0.002), rng.uniform(0.0, 0.001), 4e-5
+    verify, shape, tree = rng.uniform(-0.001, 0.004, 3)
+    p_verify, p_shape, p_tree = rng.uniform(0.0, 1.0, 3) ** 2
+    for i in range(int(rng.integers(8, 400))):
+        batch = int(rng.integers(1, 17)) if batch_varies else 1
+        drafts = int(rng.integers(0, 7)) * batch * (rng.random() < p_verify)
+        tokens = batch + drafts
+        context = float(rng.integers(100, 1500) * batch)
+        new, tr = rng.random() < p_shape, drafts > 0 and rng.random() < p_tree
+        t = (a + b * tokens + c * batch + d * context + verify * (drafts > 0) + shape * new
+             + tree * tr) * (1 + 0.02 * rng.normal())
+        if rng.random() < 0.03:
+            t *= 5.0                                    # a stall
+        m.observe(tokens, batch, t, drafts > 0, new, tr, context)
+        if rng.random() < 0.3:                          # refits along the way
+            m.warm
+    return m
+
+
+@pytest.mark.parametrize("features", ["tokens", "tokens+batch", "tokens+batch+context"])
+def test_compiled_refit_matches_the_numpy_reference(features):
+    rng = np.random.default_rng(len(features))
+    fitted = 0
+    for trial in range(150):
+        m = _window(rng, features, batch_varies=trial % 3 != 0)
+        m._dirty, m._warm = True, False   # refit now, from the terms as they stand
+        want = reference_refit(m)
+        m._refit()
+        if want is None:
+            continue
+        fitted += 1
+        (a, b, c, d), terms, outliers, rmse, slope_se = want
+        co = m.coefficients()
+        got = (co["intercept_s"], co["per_token_s"], co["per_request_s"],
+               co.get("per_context_token_s", 0.0))
+        np.testing.assert_allclose(got, (a, b, c, d), rtol=1e-7, atol=1e-13)
+        np.testing.assert_allclose([getattr(m, t) for t in TERMS], terms, rtol=1e-7,
+                                   atol=1e-13)
+        assert m._outliers == outliers
+        assert m._rmse == pytest.approx(rmse, rel=1e-7, abs=1e-15)
+        assert m.slope_se == pytest.approx(slope_se, rel=1e-5, abs=1e-15)
+    assert fitted > 100
+
+
+def test_singular_subsets_fall_back_to_numpy():
+    """Every step either verifies or runs a new token count: the two flags
+    sum to the intercept's column, the subset of all three is singular,
+    and the fit is numpy's."""
+    from vllm_plugins.proposers.draft_length import step_cost_kernels as kernels
+
+    m = StepCostModel(cost_features="tokens", warmup=8)
+    for i in range(64):
+        tokens = 1 + i % 7 if i % 3 else 1
+        m.observe(tokens, 1, 0.02 + 0.001 * tokens + 0.003 * (tokens > 1), tokens > 1,
+                  tokens == 1)
+    m._dirty, m._warm = True, False
+    status = kernels.refit(m._x, m._y, m._len, False, False, np.ones(3, np.bool_),
+                           np.zeros(3), 4.0, np.zeros(7))[0]
+    assert status == 2
+    want = reference_refit(m)
+    m._refit()
+    co = m.coefficients()
+    np.testing.assert_allclose((co["intercept_s"], co["per_token_s"], m.verify_step_s,
+                                m.new_shape_s), (*want[0][:2], *want[1][:2]), rtol=1e-7,
+                               atol=1e-13)
