@@ -163,12 +163,12 @@ def test_goodput_drafts_past_the_steps_k_sends_it_and_chooses_the_next():
     scheduler (``bridge.v2.step_k``)."""
     proposer = Counting("goodput")
     spec = speculator(proposer)
-    assert spec.next_step_k() is None   # nothing chosen yet
+    assert spec.step_k_report() is None   # nothing chosen yet
     first = run_step(spec, [1, 2, 3, 4], 3, [3], 1, 1)
     ctx = proposer.contexts[0]
     assert ctx.steers_step_k and ctx.max_draft == 1
     assert proposer.drafted[0][0] > 1
     assert proposer.sent[0] == [[5]] and first == [5, 5, 5, 5]
-    assert 0 <= spec.next_step_k() <= K
+    assert 0 <= spec.step_k_report()["k"] <= K
     spec.steers_step_k = False   # as under data parallelism
-    assert spec.next_step_k() is None
+    assert spec.step_k_report() is None

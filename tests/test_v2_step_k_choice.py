@@ -67,13 +67,13 @@ def test_the_chosen_k_caps_the_configured_k_by_batch_size():
 @pytest.mark.parametrize("configured", [None, [0, 4, 2]])
 def test_a_reported_k_reaches_the_scheduler_and_nothing_else_does(configured):
     scheduler = SimpleNamespace(dynamic_sd_lookup=configured, num_spec_tokens=4)
-    from_output(scheduler, SimpleNamespace())   # nothing reported: untouched
+    from_output(scheduler, None, SimpleNamespace())   # nothing reported: untouched
     assert scheduler.dynamic_sd_lookup is configured
-    from_output(scheduler, SimpleNamespace(**{OUTPUT_ATTR: {"k": 3}}))
+    from_output(scheduler, None, SimpleNamespace(**{OUTPUT_ATTR: {"k": 3}}))
     lookup = scheduler.dynamic_sd_lookup
     assert isinstance(lookup, ChosenStepK) and lookup.chosen == 3
     assert lookup[1] == 3 and lookup[2] == (3 if configured is None else 2)
-    from_output(scheduler, SimpleNamespace(**{OUTPUT_ATTR: {"k": 9}}))
+    from_output(scheduler, None, SimpleNamespace(**{OUTPUT_ATTR: {"k": 9}}))
     assert scheduler.dynamic_sd_lookup is lookup and lookup.chosen == 4
 
 
@@ -138,3 +138,67 @@ def test_a_run_of_zero_ks_is_broken_by_a_probe():
         chosen.append(controller.next_step_k)
     assert chosen.count(1) == 2 and chosen[gap - 1] == 1
     assert controller.stats()["step_k_probes"] == 2
+
+
+def _world_step(chooser, k, alpha, batch, rng, a=0.02, b=0.002):
+    """A step at k in a world where each draft is accepted with ``alpha``
+    after the ones before it, and a step costs a + b tokens."""
+    accepted = []
+    for _ in range(batch):
+        n = 0
+        while n < k and rng.random() < alpha:
+            n += 1
+        accepted.append(n)
+    tokens = batch * (1 + k)
+    chooser.observe([k] * batch, accepted, a + b * tokens, tokens)
+
+
+def _rates(alpha, batch, max_k, a=0.02, b=0.002):
+    """Tokens per second at each k in that world."""
+    return np.array([batch * sum(alpha ** j for j in range(k + 1)) / (a + b * batch * (1 + k))
+                     for k in range(max_k + 1)])
+
+
+@pytest.mark.parametrize("alpha,batch", [(0.9, 1), (0.6, 4), (0.2, 16)])
+def test_the_engine_cores_chooser_finds_the_best_k_from_counts_alone(alpha, batch):
+    """Only verified and accepted counts and step times: after warming up
+    it settles on a k within 1% of the best tokens per second in that
+    world (and far from the worst)."""
+    from vllm_plugins.proposers.draft_length.batch_k import BatchStepK
+
+    rng = np.random.default_rng(0)
+    chooser = BatchStepK(5, explore=0.0)
+    k = 5
+    for _ in range(400):
+        _world_step(chooser, k, alpha, batch, rng)
+        k = chooser.choose(batch)
+    assert chooser.cost.warm
+    assert np.allclose(chooser.acceptance()[:2], alpha, atol=0.15)
+    recent = [chooser.choose(batch) for _ in range(20)]
+    chosen = max(set(recent), key=recent.count)
+    rates = _rates(alpha, batch, 5)
+    assert rates[chosen] >= 0.99 * rates.max(), (recent, rates)
+    assert rates.max() > 1.05 * rates.min()   # the world tells ks apart
+
+
+def test_the_engine_core_chooses_where_the_drafter_asks_it_to():
+    """``{"engine_core": 1}``: the step's scheduled drafts and sampled
+    tokens feed the chooser, whose k caps the scheduler's."""
+    scheduler = SimpleNamespace(dynamic_sd_lookup=None, num_spec_tokens=3,
+                                running=["a", "b"])
+    sched_out = SimpleNamespace(num_scheduled_tokens={"a": 4, "b": 4, "c": 9},
+                                scheduled_spec_decode_tokens={"a": [-1] * 3, "b": [-1] * 3},
+                                total_num_scheduled_tokens=17)
+    runner_out = SimpleNamespace(req_id_to_index={"a": 0, "b": 1, "c": 2},
+                                 sampled_token_ids=[[5, 6, 7], [8], []],
+                                 **{OUTPUT_ATTR: {"engine_core": 1}})
+    from_output(scheduler, sched_out, runner_out)
+    lookup = scheduler.dynamic_sd_lookup
+    chooser = lookup.chooser
+    assert chooser is not None and chooser.hist.sum() == 1
+    assert lookup.chosen == chooser.k
+    # a: 2 of 3 accepted (positions 0, 1 reached and accepted, 2 reached);
+    # b: none of 3 (position 0 reached); c, a prefill chunk, is not counted.
+    fresh = type(chooser)(3)
+    fresh.observe([3, 3], [2, 0], None, 17)
+    assert np.allclose(chooser.acceptance(), fresh.acceptance())

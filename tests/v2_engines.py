@@ -32,6 +32,10 @@ V2_METHODS = {
     "hybrid": {"method": "hybrid", "draft_shape": "chain"},
     "ngram_adaptive": {"method": "ngram_adaptive"},
     "grammar_forced": {"method": "grammar_forced", "inner": "token_recycling"},
+    "grammar_forced_stand": {"method": "grammar_forced", "inner": "stand"},
+    "grammar_forced_hybrid": {"method": "grammar_forced",
+                              "inner": {"method": "hybrid", "draft_shape": "chain"}},
+    "grammar_forced_ngram_adaptive": {"method": "grammar_forced", "inner": "ngram_adaptive"},
 }
 # Served by V1 while it exists (bridge/v2/gate.py says why).
 V1_METHODS = {"swift": {"method": "swift"}}
@@ -126,10 +130,14 @@ STEP_K_SPECS = {
 
 
 # The step's k chosen by our goodput controller (bridge/v2/step_k.py), no
-# schedule: it explores ks while its cost model warms up.
+# schedule: it explores ks while its cost model warms up. On the device
+# route the engine core chooses it.
 CHOSEN_K_SPECS = {
     "token_recycling_goodput": {"method": "token_recycling", "draft_length": "goodput",
                                 "min_confidence": 0.0, "num_speculative_tokens": 3},
+    "token_recycling_device_goodput": {"method": "token_recycling", "tables": "device",
+                                       "draft_length": "goodput", "min_confidence": 0.0,
+                                       "num_speculative_tokens": 3},
 }
 
 

@@ -21,7 +21,9 @@ Modules: ``slots`` (per-request rows), ``acceptance`` (estimates),
 ``calibration``, ``step_cost`` (the step-time model), ``controllers`` (the
 contract, acceptance, confidence), ``goodput`` and ``rest``, ``simulator``;
 ``estimator_kernels`` and ``calibration_kernels``, their per-step loops
-compiled with numba. No vLLM import. See docs/draft_length.md.
+compiled with numba; ``batch_k``, the batch-wide k from an engine core's
+counts (Model Runner V2's device route). No vLLM import. See
+docs/draft_length.md.
 """
 
 from __future__ import annotations

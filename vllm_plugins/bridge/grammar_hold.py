@@ -304,7 +304,7 @@ def wrap_update_from_output(original):
         outputs = original(self, scheduler_output, model_runner_output)
         grammar_weights.after_update(self, model_runner_output, weighed, outputs)
         counters.to_scheduler_stats(outputs, model_runner_output, grammar_failures=ended)
-        step_k.from_output(self, model_runner_output)
+        step_k.from_output(self, scheduler_output, model_runner_output)
         return outputs
 
     return update_from_output

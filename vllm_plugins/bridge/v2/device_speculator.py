@@ -11,12 +11,15 @@ already knows: which requests are new to their row (request ids against
 ``idx_mapping_np``), with their tokens' length from ``RequestState``'s host
 mirror of ``prefill_len``.
 
-Draft length on this route is V2's k, every step; the draft-length
-controllers read host figures, so they do not run here. Where the step's k
-is smaller (vLLM's ``num_speculative_tokens_per_batch_size``), the whole
-row is drafted and V2 marks the entries past k -1 itself: the tables learn
-only the rows V2 verifies (``cu_num_logits``), so a draft V2 cut teaches
-nothing, and the walk's length stays a static shape.
+Draft length on this route is V2's k, every step; the worker's
+draft-length controllers read host figures, so they do not run here. Under
+the ``goodput`` policy the step asks the engine core to choose the next k
+from what it already has (``step_k``, ``BatchStepK``), one step late.
+Where the step's k is below the engine's (that choice, or vLLM's
+``num_speculative_tokens_per_batch_size``), the whole row is drafted and V2
+marks the entries past k -1 itself: the tables learn only the rows V2
+verifies (``cu_num_logits``), so a draft V2 cut teaches nothing, and the
+walk's length stays a static shape.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from vllm_plugins.bridge.v2.drafter_base import V2Drafter
 from vllm_plugins.drafter import DeviceStep
+from vllm_plugins.proposers.draft_length import GoodputController
 
 
 class DeviceSpeculator(V2Drafter):
@@ -35,6 +39,11 @@ class DeviceSpeculator(V2Drafter):
         self.drafter = proposer.device_drafter()
         self._seeded: dict[int, str] = {}  # state row -> the request seeded there
         self._top1: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._engine_core_k = self.steers_step_k and isinstance(proposer.controller,
+                                                                GoodputController)
+
+    def step_k_report(self) -> dict | None:
+        return {"engine_core": 1} if self._engine_core_k else None
 
     def observe_logits(self, logits: torch.Tensor, input_batch) -> None:
         """The target's top-1 and its log-probability at every row, on the

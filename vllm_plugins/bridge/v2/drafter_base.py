@@ -53,10 +53,14 @@ class V2Drafter:
         self.proposer.load_model(runner.model)
         ranks.join_tensor_parallel()
 
-    def next_step_k(self) -> int | None:
-        """The k our drafter wants V2's scheduler to give the next step
-        (``step_k``); None: the scheduler's own."""
-        return self.proposer.next_step_k() if self.steers_step_k else None
+    def step_k_report(self) -> dict | None:
+        """What the step tells V2's scheduler of the next step's k
+        (``step_k.OUTPUT_ATTR``): the k our drafter wants; None: the
+        scheduler's own."""
+        if not self.steers_step_k:
+            return None
+        k = self.proposer.next_step_k()
+        return None if k is None else {"k": int(k)}
 
     def observe_params(self, req_index: int, sampling_params) -> None:
         """A new request's parameters (the sampler tap)."""
