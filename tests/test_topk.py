@@ -114,3 +114,38 @@ def test_the_kept_buffer_serves_calls_inside_and_outside_inference_mode():
     outside = topk.topk_logprobs(logits, 4)
     for a, b in zip(inside, outside):
         assert torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+
+
+def stable_reference(logits, k):
+    """torch's values, exactly: ids by a stable descending sort (tied
+    logits, the lower id first), log-probabilities from ``log_softmax``."""
+    x = logits.float()
+    ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.log_softmax(x, -1).gather(1, ids), ids
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13])
+def test_small_batches_exactly_as_torch(rows, dtype, threads):
+    """The few rows of a small batch (the compiled loop's block maxima, or
+    torch's on several threads from ``PARALLEL_ROWS`` rows on) give
+    log_softmax's very bits and, among tied logits, the lower ids first."""
+    from vllm_plugins import topk
+
+    g = torch.Generator().manual_seed(rows * 31 + threads)
+    logits = torch.randn(rows, 49152 + 37, generator=g) * 4
+    logits[0] = torch.round(logits[0])          # a row of many exact ties
+    logits[-1, ::2] = float("-inf")             # a masked row
+    logits[-1, 49152 + 30] = 40.0               # its maximum in the tail
+    logits = logits.to(dtype)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for k in (1, 8, 64):
+            lp, ids = topk.topk_logprobs(logits, k)
+            ref_lp, ref_ids = stable_reference(logits, k)
+            assert torch.equal(ids, ref_ids)
+            assert torch.equal(lp, ref_lp)
+    finally:
+        torch.set_num_threads(before)

@@ -36,9 +36,12 @@ import threading
 import numpy as np
 import torch
 
-BLOCK = 64
+BLOCK = 64  # topk_blocks.BLOCK, named here so that importing this loads no numba
 # log_softmax output per chunk of rows (at least one row per thread).
 CHUNK_BYTES = 8 << 20
+# From this many rows on, and on several threads, torch's block maxima (its
+# threads share them); below, the compiled loop's (one call, no dispatch).
+PARALLEL_ROWS = 8
 _kept = threading.local()  # .buffer: the calling thread's float32 log_softmax chunk
 
 
@@ -46,50 +49,54 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
     """(float32 log-probabilities, int64 token ids) of the k largest logits
     of every row, largest first; the same values and ids as ``torch.topk``
     plus ``logsumexp`` on the float32 logits (ids of exactly tied logits may
-    come in another order)."""
+    come in another order: on CPU the lower id first)."""
     rows, vocab = logits.shape
     k = min(k, vocab)
     if logits.device.type != "cpu" or rows == 0:
         x = logits.float()
         vals, ids = torch.topk(x, k, dim=-1)
         return vals - torch.logsumexp(x, dim=-1, keepdim=True), ids
-    logits = logits.contiguous()
-    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
-    buf = chunk_buffer(min(per, rows), vocab)
-    ids = torch.empty(rows, k, dtype=torch.int64)
-    lps = torch.empty(rows, k, dtype=torch.float32)
-    for start in range(0, rows, per):
-        stop = min(start + per, rows)
-        chunk, x = buf[:stop - start], logits[start:stop]
-        if x.dtype != torch.float32:
-            # The same values in float32, converted into the buffer, where
-            # log_softmax then runs in place (CPU's kernel reads each row
-            # whole before writing it).
-            x = chunk.copy_(x)
-        ids[start:stop] = topk_ids(x, k)
-        torch.log_softmax(x, -1, out=chunk)
-        torch.gather(chunk, 1, ids[start:stop], out=lps[start:stop])
-    return lps, ids
-
-
-def topk_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """The ids of the k largest logits of every row of a contiguous float32
-    CPU tensor, largest first, by the block maxima."""
-    rows, vocab = logits.shape
-    blocks = vocab // BLOCK
-    if blocks <= k:
-        return torch.topk(logits, k, dim=-1).indices
-    # Block j holds columns j * BLOCK .. (j + 1) * BLOCK - 1: any partition
-    # is exact, and at a 262k vocabulary contiguous blocks reduce faster
-    # than strided ones (every blocks-th column).
+    if vocab // BLOCK <= k:
+        x = logits.float()
+        ids = torch.topk(x, k, dim=-1).indices
+        return torch.log_softmax(x, -1).gather(1, ids), ids
     # Compiled loops load with the first call: importing numba where no
     # engine of ours runs would trip vLLM's CPU build (patch cpu.kernel_scan_vars).
-    from vllm_plugins.topk_blocks import topk_of_best_blocks
+    from vllm_plugins.topk_blocks import gather_rows, topk_rows, topk_rows_gathered
 
-    maxima = logits[:, :blocks * BLOCK].view(rows, blocks, BLOCK).amax(2)
+    logits = logits.contiguous()
+    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
+    fill = rows < PARALLEL_ROWS or torch.get_num_threads() == 1
+    buf = chunk_buffer(min(per, rows), vocab)
     ids = np.empty((rows, k), dtype=np.int64)
-    topk_of_best_blocks(logits.numpy(), maxima.numpy(), k, BLOCK, ids)
-    return torch.from_numpy(ids)
+    lps = np.empty((rows, k), dtype=np.float32)
+    for start in range(0, rows, per):
+        stop = min(start + per, rows)
+        chunk, x = (buf, logits) if stop - start == rows else (buf[:stop - start], logits[start:stop])
+        out_ids, out_lps = ids[start:stop], lps[start:stop]
+        if x.dtype == torch.float32:
+            torch.log_softmax(x, -1, out=chunk)
+            topk_rows_gathered(x.numpy(), block_maxima(x, fill), fill, chunk.numpy(),
+                               k, out_ids, out_lps)
+        else:
+            # The same values in float32, converted into the buffer, where
+            # log_softmax then runs in place (CPU's kernel reads each row
+            # whole before writing it) once the ids are taken.
+            values = chunk.copy_(x).numpy()
+            topk_rows(values, block_maxima(chunk, fill), fill, k, out_ids)
+            torch.log_softmax(chunk, -1, out=chunk)
+            gather_rows(values, out_ids, out_lps)
+    return torch.from_numpy(lps), torch.from_numpy(ids)
+
+
+def block_maxima(x: torch.Tensor, fill: bool) -> np.ndarray:
+    """Room for the compiled loop's block maxima when it fills them, else
+    torch's."""
+    rows, vocab = x.shape
+    blocks = vocab // BLOCK
+    if fill:
+        return np.empty((rows, blocks), dtype=np.float32)
+    return x[:, :blocks * BLOCK].view(rows, blocks, BLOCK).amax(2).numpy()
 
 
 def chunk_buffer(rows: int, vocab: int) -> torch.Tensor:

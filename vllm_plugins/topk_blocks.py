@@ -1,10 +1,21 @@
-"""``topk.topk_ids``'s compiled half: the top-k of the best blocks."""
+"""``topk``'s compiled half: block maxima, the top-k of the best blocks, and
+the log-probabilities at those ids.
+
+After a forward has run, each torch call of the stash starts with its
+dispatch code and buffers out of cache, which costs more than the few rows'
+arithmetic: a small batch's block maxima cost as much through ``amax`` as
+reading the rows. So everything but ``log_softmax`` (whose float32 values
+the stash must keep) runs here, in one call per chunk of rows.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from vllm_plugins.proposers.jit import cached_njit
+
+LANES = 16  # one AVX-512 register of float32; two AVX2 ones
+BLOCK = 4 * LANES
 
 
 @cached_njit
@@ -27,24 +38,66 @@ def _insert(values, ids, filled, k, value, index):
 
 
 @cached_njit
-def topk_of_best_blocks(logits, maxima, k, block, out):
-    """Per row, the k best blocks by their maxima, then the top-k of their
-    logits and of the last, partial block: one compiled pass where torch
-    took a dozen small ops (their dispatch, not the arithmetic, was the
-    cost at the few rows of a small batch)."""
-    rows, vocab = logits.shape
-    blocks = maxima.shape[1]
+def _block_maxima(row, maxima, lanes):
+    """Each ``BLOCK``'s maximum, as four vectors of lanes: written so, the
+    compiler keeps them in vector registers (a running maximum over the
+    block, or over a block length known only at run time, was vectorised
+    across blocks with gathers, or not at all: two to four times slower)."""
+    for b in range(maxima.shape[0]):
+        base = b * BLOCK
+        for lane in range(LANES):
+            lanes[lane] = max(max(row[base + lane], row[base + LANES + lane]),
+                              max(row[base + 2 * LANES + lane], row[base + 3 * LANES + lane]))
+        m = lanes[0]
+        for lane in range(1, LANES):
+            m = max(m, lanes[lane])
+        maxima[b] = m
+
+
+@cached_njit
+def _row_topk(row, maxima, k, best_values, best_blocks, values, out):
+    """The k best blocks by their maxima, then the top-k of their logits
+    and of the last, partial block (ties: the lower index first)."""
+    blocks = maxima.shape[0]
+    filled = 0
+    for b in range(blocks):
+        filled = _insert(best_values, best_blocks, filled, k, maxima[b], b)
+    chosen = np.sort(best_blocks[:filled])
+    filled = 0
+    for b in chosen:
+        for i in range(b * BLOCK, (b + 1) * BLOCK):
+            filled = _insert(values, out, filled, k, row[i], i)
+    for i in range(blocks * BLOCK, row.shape[0]):
+        filled = _insert(values, out, filled, k, row[i], i)
+
+
+@cached_njit
+def topk_rows(logits, maxima, fill, k, ids):
+    """The ids of the k largest logits of every row into ``ids``, largest
+    first (more than k blocks a row): a block whose maximum is not among
+    the k largest maxima holds none of them. The block ``maxima`` are
+    computed here when ``fill``, else taken as given."""
+    lanes = np.empty(LANES, np.float32)
     best_values = np.empty(k, np.float32)
     best_blocks = np.empty(k, np.int64)
     values = np.empty(k, np.float32)
-    for r in range(rows):
-        filled = 0
-        for b in range(blocks):
-            filled = _insert(best_values, best_blocks, filled, k, maxima[r, b], b)
-        chosen = np.sort(best_blocks[:filled])   # ties: the lower index first
-        filled = 0
-        for b in chosen:
-            for i in range(b * block, (b + 1) * block):
-                filled = _insert(values, out[r], filled, k, logits[r, i], i)
-        for i in range(blocks * block, vocab):
-            filled = _insert(values, out[r], filled, k, logits[r, i], i)
+    for r in range(logits.shape[0]):
+        if fill:
+            _block_maxima(logits[r], maxima[r], lanes)
+        _row_topk(logits[r], maxima[r], k, best_values, best_blocks, values, ids[r])
+
+
+@cached_njit
+def gather_rows(values, ids, out):
+    """``out[r, j] = values[r, ids[r, j]]``."""
+    for r in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            out[r, j] = values[r, ids[r, j]]
+
+
+@cached_njit
+def topk_rows_gathered(logits, maxima, fill, logprobs, k, ids, out):
+    """``topk_rows``, then the ``logprobs`` at those ids: one call where
+    the log-probabilities are ready first."""
+    topk_rows(logits, maxima, fill, k, ids)
+    gather_rows(logprobs, ids, out)
