@@ -135,3 +135,47 @@ def test_compiled_step_matches_the_numpy_reference(depth):
     assert est.changes == ref.changes
     if depth > 1:   # one position gives three steps too little evidence to reset
         assert ref.changes > 3
+
+
+def _reference_probs(est, s, n):
+    """The estimator's probabilities from counts, in numpy."""
+    g = est.global_rate
+    alpha = np.clip((s.sum(1) + g) / (n.sum(1) + 1.0), EPS, 1 - EPS)
+    rates = (est._gps + 2 * g) / (est._gpn + 2)
+    profile = rates / (1 - rates) / (g / (1 - g))
+    scaled = alpha[:, None] * profile[None]
+    prior = scaled / (1 - alpha[:, None] + scaled)
+    c = est.prior_strength
+    return np.clip((s + c * prior) / np.maximum(n + c, 1e-12), EPS, 1 - EPS)
+
+
+@pytest.mark.parametrize("mode", ["ewma", "window"])
+def test_unverified_rows_are_skipped_and_window_probs_match(mode):
+    """Rows given with n = 0 learn nothing (a step with none verified
+    changes nothing), as if left out; the window estimator's probabilities
+    are its window's counts through the same formula."""
+    rng = np.random.default_rng(7)
+    depth = 5
+    pair = []
+    for _ in range(2):
+        slots = RequestSlots(64)
+        pair.append((slots, AcceptanceEstimator(slots, depth, estimator=mode, window=4),
+                     slots.slots([f"r{i}" for i in range(8)])))
+    (sa, ea, rows), (sb, eb, _) = pair
+    for step in range(300):
+        pick = rng.choice(rows, size=rng.integers(1, 9), replace=False)
+        n = rng.integers(0, depth + 2, len(pick)) * (rng.random(len(pick)) < 0.7)
+        m = np.minimum(rng.integers(0, depth + 1, len(pick)), n)
+        ea.observe(pick, n, m)
+        v = n > 0
+        eb.observe(pick[v], n[v], m[v])
+        for name in sa.arrays:
+            np.testing.assert_array_equal(sa.arrays[name], sb.arrays[name])
+        np.testing.assert_array_equal(ea._glob, eb._glob)
+        np.testing.assert_array_equal(ea.probs(rows), eb.probs(rows))
+    if mode == "window":
+        a = sa.arrays
+        s, o = _window_counts(a["win_n"][rows].astype(np.int64),
+                              a["win_m"][rows].astype(np.int64), depth,
+                              np.ones(a["win_n"][rows].shape))
+        np.testing.assert_allclose(ea.probs(rows), _reference_probs(ea, s, o), atol=1e-12)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import choice, flag, integer, number
-from vllm_plugins.proposers.draft_length.estimator_kernels import learn_rows, probs_from
+from vllm_plugins.proposers.draft_length.estimator_kernels import learn_rows, probs_rows
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 EPS = 1e-3  # position probabilities are clipped to [EPS, 1 - EPS]
@@ -96,8 +96,8 @@ class AcceptanceEstimator:
         self.prior_acceptance = prior_acceptance
         self.prior_strength = prior_strength
         self._gdecay = 0.5 ** (1.0 / self._GLOBAL_HALF_LIFE)
-        self._gs = 0.0
-        self._gn = 0.0
+        # Global decayed (accepted, observed) counts, pooled over positions.
+        self._glob = np.zeros(2)
         # Global decayed counts per position: conditional acceptance rises
         # with depth (a draft that survived j tokens is usually a copy), so a
         # position's prior is its own global rate, not the request's pooled one.
@@ -116,7 +116,7 @@ class AcceptanceEstimator:
 
     @property
     def global_rate(self) -> float:
-        return (self._gs + self.prior_acceptance) / (self._gn + 1.0)
+        return (float(self._glob[0]) + self.prior_acceptance) / (float(self._glob[1]) + 1.0)
 
     def _window_counts(self, rows: np.ndarray, weights: np.ndarray | None = None
                        ) -> tuple[np.ndarray, np.ndarray]:
@@ -140,17 +140,17 @@ class AcceptanceEstimator:
 
     def probs(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), max_draft] conditional acceptance per position."""
-        return self._probs_from(*self.counts(rows))
-
-    def _probs_from(self, s: np.ndarray, n: np.ndarray) -> np.ndarray:
-        return probs_from(np.ascontiguousarray(s, np.float64),
-                          np.ascontiguousarray(n, np.float64), self.global_rate,
-                          self._gps, self._gpn, float(self.prior_strength), EPS)
+        a = self.slots.arrays
+        ewma = self.mode == "ewma"
+        return probs_rows(rows, a["acc_s"] if ewma else self._no_counts,
+                          a["acc_n"] if ewma else self._no_counts, a["win_n"], a["win_m"],
+                          ewma, self.global_rate, self._gps, self._gpn,
+                          float(self.prior_strength), EPS)
 
     def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
-        """Learn from rows whose drafts were verified (n > 0): m of n accepted;
-        then, with ``ewma``, the change detector: the Bayes factor of "a new
-        regime began L steps ago" (L = 2..W, W = 3).
+        """Learn from rows whose drafts were verified: m of n accepted (rows
+        with n = 0 are skipped); then, with ``ewma``, the change detector:
+        the Bayes factor of "a new regime began L steps ago" (L = 2..W, W = 3).
 
         Pooled over positions, the last L steps hold A accepted drafts and F
         rejections. Under "no change" they follow the Beta posterior of the
@@ -163,16 +163,10 @@ class AcceptanceEstimator:
         over-confident history does not raise false alarms. Where the best L
         clears ``change_threshold``, the counts are replaced by those L steps'.
         """
-        if len(rows) == 0:
-            return
         a = self.slots.arrays
         ewma = self.mode == "ewma"
-        glob = np.array([self._gs, self._gn])
-        acc_s = a["acc_s"] if ewma else self._no_counts
-        acc_n = a["acc_n"] if ewma else self._no_counts
         self.changes += learn_rows(
-            np.asarray(rows, np.int64), np.asarray(n, np.int64), np.asarray(m, np.int64),
-            self.depth, acc_s, acc_n, a["win_n"], a["win_m"], a["win_pos"], glob,
-            self._gps, self._gpn, self._gdecay, self.prior_acceptance, self.decay, ewma,
-            float(self.change_threshold))
-        self._gs, self._gn = float(glob[0]), float(glob[1])
+            rows, n, m, self.depth, a["acc_s"] if ewma else self._no_counts,
+            a["acc_n"] if ewma else self._no_counts, a["win_n"], a["win_m"], a["win_pos"],
+            self._glob, self._gps, self._gpn, self._gdecay, self.prior_acceptance, self.decay,
+            ewma, float(self.change_threshold))

@@ -25,19 +25,29 @@ def _log_beta(x, y):
 def learn_rows(rows, n, m, depth, acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn,
                gdecay, prior_acceptance, decay, ewma, change_threshold):
     """Learn one step's outcomes: row ``rows[i]`` verified ``n[i]`` drafts,
-    the first ``m[i]`` accepted. Updates the global counts (``glob``: the
-    pooled accepted and observed, ``gps``/``gpn`` per position), the recent
+    the first ``m[i]`` accepted; rows with ``n[i]`` = 0 verified nothing
+    and are skipped (a step where no row verified changes nothing, not even
+    the global decay). Updates the global counts (``glob``: the pooled
+    accepted and observed, ``gps``/``gpn`` per position), the recent
     window, and with ``ewma`` the decayed counts, then runs the change
     detector where ``change_threshold`` > 0. Returns how many rows it
     reset."""
     rows_n = len(rows)
     recent = win_n.shape[1]
+    verified = 0
+    for i in range(rows_n):
+        if n[i] > 0:
+            verified += 1
+    if verified == 0:
+        return 0
     accepted_total = 0.0
     observed_total = 0.0
     for j in range(depth):
         gps[j] *= gdecay
         gpn[j] *= gdecay
     for i in range(rows_n):
+        if n[i] <= 0:
+            continue
         ni = min(n[i], depth)
         mi = min(m[i], ni)
         seen = min(mi + 1, ni)
@@ -57,6 +67,8 @@ def learn_rows(rows, n, m, depth, acc_s, acc_n, win_n, win_m, win_pos, glob, gps
     if not ewma:
         return 0
     for i in range(rows_n):
+        if n[i] <= 0:
+            continue
         ni = min(n[i], depth)
         mi = min(m[i], ni)
         seen = min(mi + 1, ni)
@@ -69,7 +81,7 @@ def learn_rows(rows, n, m, depth, acc_s, acc_n, win_n, win_m, win_pos, glob, gps
     rate = (glob[0] + prior_acceptance) / (glob[1] + 1.0)
     changes = 0
     for i in range(rows_n):
-        if _detect_change(rows[i], depth, acc_s, acc_n, win_n, win_m, win_pos, rate, decay,
+        if n[i] > 0 and _detect_change(rows[i], depth, acc_s, acc_n, win_n, win_m, win_pos, rate, decay,
                           change_threshold):
             changes += 1
     return changes
@@ -141,6 +153,33 @@ def _detect_change(row, depth, acc_s, acc_n, win_n, win_m, win_pos, rate, decay,
     for c in range(recent):
         win_n[row, c] = 0
     return True
+
+
+@cached_njit
+def probs_rows(rows, acc_s, acc_n, win_n, win_m, ewma, rate, gps, gpn, strength, eps):
+    """``probs_from`` of slot rows, their counts read in place: the decayed
+    counts with ``ewma``, else the recent window's (``AcceptanceEstimator``
+    gives both)."""
+    depth = len(gps)
+    rows_n = len(rows)
+    s = np.zeros((rows_n, depth))
+    n = np.zeros((rows_n, depth))
+    for i in range(rows_n):
+        row = rows[i]
+        if ewma:
+            for j in range(depth):
+                s[i, j] = acc_s[row, j]
+                n[i, j] = acc_n[row, j]
+            continue
+        for c in range(win_n.shape[1]):
+            nc = int(win_n[row, c])
+            mc = int(win_m[row, c])
+            for j in range(depth):
+                if mc > j and nc > 0:
+                    s[i, j] += 1.0
+                if min(mc + 1, nc) > j:
+                    n[i, j] += 1.0
+    return probs_from(s, n, rate, gps, gpn, strength, eps)
 
 
 @cached_njit
