@@ -8,10 +8,12 @@ from typing import Any
 import numpy as np
 
 from vllm_plugins.options import integer, number
-from vllm_plugins.proposers.draft_length.acceptance import EPS, clip
-from vllm_plugins.proposers.draft_length.calibration_kernels import (calibrated, calibrated_at,
-                                                                    learn_outcomes,
-                                                                    remember_kept)
+from vllm_plugins.proposers.draft_length.acceptance import EPS
+from vllm_plugins.proposers.draft_length.calibration_kernels import (apply_prefix, calibrated,
+                                                                    calibrated_at, learn_kept,
+                                                                    learn_prefix, prefix_probs,
+                                                                    remember_kept,
+                                                                    remember_prefix)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 # Options of the policies that read a proposer's confidences.
@@ -85,18 +87,11 @@ class ConfidenceCalibrator:
         0-based, raw confidence, outcome) arrays of outcomes read elsewhere
         (tree nodes, by depth)."""
         a = self.slots.arrays
-        conf = a["conf_kept"][rows]
-        a["conf_kept"][rows] = np.nan  # consumed (or stale) either way
-        if len(rows) == 0:
-            return
-        if extra is None:
-            extra = self._NO_EXTRA
-        er, ej, ec, ex = extra
-        learn_outcomes(rows, np.asarray(n, np.int64), np.asarray(m, np.int64), conf,
-                       np.asarray(er, np.int64), np.asarray(ej, np.int64),
-                       np.asarray(ec, np.float64), np.asarray(ex, np.float64),
-                       self.gs, self.gn, self.gps, self.gpn, a["cal_s"], a["cal_e"],
-                       self._STRENGTH, self._gdecay, self.decay)
+        er, ej, ec, ex = self._NO_EXTRA if extra is None else extra
+        learn_kept(rows, n, m, a["conf_kept"], np.asarray(er, np.int64),
+                   np.asarray(ej, np.int64), np.asarray(ec, np.float64),
+                   np.asarray(ex, np.float64), self.gs, self.gn, self.gps, self.gpn,
+                   a["cal_s"], a["cal_e"], self._STRENGTH, self._gdecay, self.decay)
 
     def calibrate_at(self, rows: np.ndarray, j: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of single drafts: slot row, position
@@ -182,30 +177,48 @@ class PrefixCalibrator(OutcomeCalibrator):
         slots.add("q_used", (max_draft,), np.float64, np.nan)
 
     def apply(self, q: np.ndarray) -> np.ndarray:
-        out = clip(q * self.factor(q), EPS, 1.0 - EPS)
-        return np.minimum.accumulate(out, axis=1)
+        q = np.ascontiguousarray(q, np.float64)
+        out = np.empty_like(q)
+        apply_prefix(q, self.EDGES, self.s, self.e, self._STRENGTH, EPS, out)
+        return out
 
     def remember(self, rows: np.ndarray, q: np.ndarray, upto: np.ndarray) -> None:
         """Store the raw q of positions < upto (kept drafts, plus the first
         cut one when its outcome will be observed)."""
-        a = self.slots.arrays
-        a["q_used"][rows] = np.nan
-        w = min(q.shape[1], self.depth)
-        a["q_used"][rows, :w] = np.where(np.arange(w)[None, :] < upto[:, None],
-                                         q[:, :w], np.nan)
+        remember_prefix(rows, q, upto, self.slots.arrays["q_used"])
 
     def observe(self, rows: np.ndarray, n: np.ndarray, m: np.ndarray) -> None:
         """Rows verified this step: n observed positions (the cut one
-        included when observed), of which the first m accepted."""
-        a = self.slots.arrays
-        q = a["q_used"][rows]
-        a["q_used"][rows] = np.nan
-        if len(rows) == 0:
-            return
-        j = np.arange(self.depth)[None, :]
-        # A prefix longer than the accepted run failed, whether or not its
-        # own draft was verified; the cut draft counts only where observed.
-        seen = ~np.isnan(q) & ((j < n[:, None]) | (m[:, None] < n[:, None]))
-        if not seen.any():
-            return
-        self.learn(q[seen], (j < m[:, None])[seen].astype(np.float64))
+        included when observed), of which the first m accepted. A prefix
+        longer than the accepted run failed, whether or not its own draft
+        was verified; the cut draft counts only where observed."""
+        learn_prefix(rows, n, m, self.slots.arrays["q_used"], self.EDGES, self.s, self.e,
+                     self._decay)
+
+
+def prefix_probabilities(rows: np.ndarray, probs: np.ndarray, width: int,
+                         conf: np.ndarray | None, calibrator: ConfidenceCalibrator | None,
+                         prefix: PrefixCalibrator | None) -> tuple[np.ndarray, np.ndarray]:
+    """(q as the rule reads it, q before the prefix calibration), each
+    [rows, width]: per position the history estimate ``probs``, or the
+    calibrated confidence where ``conf`` gives one, multiplied along the
+    row, then through ``prefix`` (None: both are the same array). One
+    compiled pass instead of a numpy call per stage."""
+    q_raw = np.empty((len(rows), width))
+    q = np.empty_like(q_raw) if prefix is not None else q_raw
+    if conf is None or calibrator is None:
+        conf, tables = _NO_CONF, _NO_TABLES
+    else:
+        a = calibrator.slots.arrays
+        tables = (calibrator.gs, calibrator.gn, calibrator.gps, calibrator.gpn, a["cal_s"],
+                  a["cal_e"])
+    outcomes = (prefix.s, prefix.e) if prefix is not None else _NO_TABLES[:2]
+    prefix_probs(rows, probs, width, conf, *tables, ConfidenceCalibrator._STRENGTH, EPS,
+                 prefix is not None, OutcomeCalibrator.EDGES, *outcomes,
+                 OutcomeCalibrator._STRENGTH, q, q_raw)
+    return q, q_raw
+
+
+_NO_CONF = np.zeros((0, 0))
+_NO_TABLES = (np.zeros(0), np.zeros(0), np.zeros((0, 0)), np.zeros((0, 0)), np.zeros(0),
+              np.zeros(0))

@@ -157,3 +157,110 @@ def remember_kept(rows, conf, upto, conf_kept, conf_seen):
             conf_kept[row, j] = np.nan
         if given:
             conf_seen[row] = True
+
+
+@cached_njit
+def learn_kept(rows, n, m, conf_kept, extra_row, extra_depth, extra_conf, extra_outcome,
+               gs, gn, gps, gpn, cal_s, cal_e, strength, gdecay, decay):
+    """``learn_outcomes`` with each row's kept confidences read from the
+    slot array ``conf_kept``, which they leave (NaN): consumed, or stale."""
+    depth = conf_kept.shape[1]
+    conf = np.empty((len(rows), depth))
+    for i in range(len(rows)):
+        for j in range(depth):
+            conf[i, j] = conf_kept[rows[i], j]
+            conf_kept[rows[i], j] = np.nan
+    if len(rows):
+        learn_outcomes(rows, n, m, conf, extra_row, extra_depth, extra_conf, extra_outcome,
+                       gs, gn, gps, gpn, cal_s, cal_e, strength, gdecay, decay)
+
+
+@cached_njit
+def _bucket(edges, q):
+    """``np.searchsorted(edges, q)``: the first edge not below q (NaN: past
+    the last)."""
+    b = 0
+    while b < len(edges) and not edges[b] >= q:
+        b += 1
+    return b
+
+
+@cached_njit
+def learn_prefix(rows, n, m, q_used, edges, s, e, decay):
+    """The prefix calibration's step (``PrefixCalibrator.observe``): each
+    row's remembered prefix probabilities leave ``q_used``; those whose
+    outcome is known (position < n, or the whole run failed short of n)
+    count, per bucket, their outcome into ``s`` and themselves into ``e``,
+    both decayed once where any counted."""
+    depth = q_used.shape[1]
+    add_s = np.zeros(len(s))
+    add_e = np.zeros(len(s))
+    count = 0
+    for i in range(len(rows)):
+        row = rows[i]
+        for j in range(depth):
+            q = q_used[row, j]
+            q_used[row, j] = np.nan
+            if q == q and (j < n[i] or m[i] < n[i]):
+                b = _bucket(edges, q)
+                add_s[b] += 1.0 if j < m[i] else 0.0
+                add_e[b] += q
+                count += 1
+    if count == 0:
+        return
+    for b in range(len(s)):
+        s[b] = decay * s[b] + add_s[b]
+        e[b] = decay * e[b] + add_e[b]
+
+
+@cached_njit
+def apply_prefix(q, edges, s, e, strength, eps, out):
+    """Calibrated prefix probabilities (``PrefixCalibrator.apply``) into
+    ``out``: q times its bucket's factor, clipped, non-increasing along
+    each row."""
+    for i in range(q.shape[0]):
+        for j in range(q.shape[1]):
+            b = _bucket(edges, q[i, j])
+            v = q[i, j] * ((s[b] + strength) / (e[b] + strength))
+            v = min(max(v, eps), 1.0 - eps)
+            if j > 0 and out[i, j - 1] < v:
+                v = out[i, j - 1]
+            out[i, j] = v
+
+
+@cached_njit
+def prefix_probs(rows, probs, width, conf, gs, gn, gps, gpn, cal_s, cal_e, strength, eps,
+                 use_prefix, edges, ps, pe, prefix_strength, q, q_raw):
+    """The rule's prefix probabilities of the first ``width`` drafts: each
+    position's history estimate (``probs``), or its calibrated confidence
+    where ``conf`` (empty: none) gives one, multiplied along the row into
+    ``q_raw``; ``q``: those through the prefix calibration where
+    ``use_prefix``, else a copy."""
+    with_conf = conf.shape[0] > 0
+    for i in range(len(rows)):
+        level = (cal_s[rows[i]] + strength) / (cal_e[rows[i]] + strength) if with_conf \
+            else 1.0
+        acc = 1.0
+        for j in range(width):
+            p = probs[i, j]
+            if with_conf:
+                c = conf[i, j]
+                if c == c:
+                    p = _calibrated(j, min(max(c, 0.0), 1.0), level, gs, gn, gps, gpn,
+                                    strength, eps)
+            acc = p if j == 0 else acc * p
+            q_raw[i, j] = acc
+    if use_prefix:
+        apply_prefix(q_raw, edges, ps, pe, prefix_strength, eps, q)
+    else:
+        q[:, :] = q_raw
+
+
+@cached_njit
+def remember_prefix(rows, q_raw, upto, q_used):
+    """Store each row's raw prefix probabilities of positions < ``upto[i]``
+    (NaN beyond) for the next step's ``learn_prefix``."""
+    width = q_raw.shape[1]
+    for i in range(len(rows)):
+        for j in range(q_used.shape[1]):
+            q_used[rows[i], j] = q_raw[i, j] if j < width and j < upto[i] else np.nan
