@@ -16,6 +16,7 @@ the ``Observation`` it returns: nothing of it is kept on the controller.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,10 @@ from vllm_plugins.options import number
 from vllm_plugins.proposers.draft_length.acceptance import (ESTIMATOR_OPTIONS, AcceptanceEstimator,
                                                            clip)
 from vllm_plugins.proposers.draft_length.calibration import (
-    CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator)
+    CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator, prefix_probabilities)
+from vllm_plugins.proposers.draft_length.controller_kernels import (count_decisions,
+                                                                   length_bounds, settle,
+                                                                   step_outcomes)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 if TYPE_CHECKING:  # duck-typed at run time; no import cost, no cycle
@@ -138,14 +142,12 @@ class DraftLengthController:
             bound = (lengths == 0) & np.fromiter(
                 (r.req_id in observation.zero_bound for r in ctx.requests[:len(lengths)]),
                 dtype=bool, count=min(len(lengths), len(ctx.requests)))
-        keep = self._keep(ctx, drafts, lengths, observation, bound)
-        keep = clip(keep, 0, lengths)
-        offered = lengths > 0
-        self.no_draft += int((~offered & ~bound).sum())
-        self.decisions += int((offered | bound).sum())
-        self.zero_choices += int(((offered & (keep == 0)) | bound).sum())
-        self.hist += np.bincount(keep[offered | bound], minlength=self.max_draft + 1)
-        return [int(k) for k in keep], bool(offered.any() or bound.any())
+        keep = np.asarray(self._keep(ctx, drafts, lengths, observation, bound), np.int64)
+        no_draft, decisions, zeros, any_row = count_decisions(lengths, keep, bound, self.hist)
+        self.no_draft += no_draft
+        self.decisions += decisions
+        self.zero_choices += zeros
+        return keep.tolist(), any_row
 
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
               observation: Observation, bound: np.ndarray) -> np.ndarray:
@@ -175,6 +177,9 @@ class DraftLengthController:
             "evicted_requests": self.slots.evicted,
             "state_bytes": self.slots.nbytes(),
         }
+
+
+_NO_FLAGS = np.zeros(0, np.bool_)
 
 
 def trim(drafts: Drafts, keep: list[int]) -> Drafts:
@@ -228,6 +233,8 @@ class EstimatingController(DraftLengthController):
         self.prefix = (PrefixCalibrator(self.slots, max_draft)
                        if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
+        # Row k: the first k of max_draft drafts (``valid`` for a row of k).
+        self._prefixes = np.arange(max_draft)[None, :] < np.arange(max_draft + 1)[:, None]
 
     # ------------------------------------------------------------ observe
     def observe(self, ctx: StepContext) -> Observation:
@@ -242,27 +249,27 @@ class EstimatingController(DraftLengthController):
         if not reqs:
             return observation
         rows = observation.rows = self.slots.slots([r.req_id for r in reqs])
-        emitted = np.array([len(r.accepted) for r in reqs], dtype=np.int64)
-        n = np.array([r.num_draft for r in reqs], dtype=np.int64)
-        n = np.where(emitted > 0, n, 0)
+        # Per row: tokens emitted, drafts verified, the last token emitted.
+        info = np.array([(len(r.accepted), r.num_draft,
+                          r.accepted[-1] if len(r.accepted) else -1) for r in reqs],
+                        np.int64)
         # Rows whose drafts were trees teach the per-position estimates
         # nothing; the policy reads them node by node (``extra``: their
         # node outcomes for the confidence calibration).
         trees, extra = self._learn_trees(ctx, rows)
-        if trees is not None:
-            n = np.where(trees, 0, n)
-        m = np.minimum(np.maximum(emitted - 1, 0), n)
-        n, m = self._observe_cut(reqs, rows, emitted, n, m)
+        outcomes = np.empty((4, len(reqs)), np.int64)
+        n, m, peek_at, hit = outcomes
+        a = self.slots.arrays
+        peeks = step_outcomes(rows, info, _NO_FLAGS if trees is None else trees,
+                              a["cut_token"], a["cut_at"], self.observe_cut, a["probing"],
+                              a["probe_level"], n, m, peek_at, hit)
+        if peeks:
+            self.cut_observed += peeks
+            if self.counting_free:
+                self._free_cut_outcomes(rows, peek_at, hit)
         if self.prefix is not None:
             self.prefix.observe(rows, n, m)
-        verified = n > 0
-        self.estimator.observe(rows[verified], n[verified], m[verified])
-        a = self.slots.arrays
-        probed = a["probing"][rows] & verified
-        if probed.any():
-            pr = rows[probed]
-            a["probe_level"][pr] = np.where(m[probed] > 0, 0, a["probe_level"][pr] + 1)
-        a["probing"][rows] = False
+        self.estimator.observe(rows, n, m)
         if self.calibrator is not None:
             self.calibrator.observe(rows, n, m, extra)
         return observation
@@ -275,24 +282,25 @@ class EstimatingController(DraftLengthController):
 
     def _bound(self, ctx: StepContext, observation: Observation) -> None:
         """Each request's ``max_length`` for the step, all at once (drafting
-        asks once per request; one vectorised pass is cheaper than that
-        many scalar ones)."""
+        asks once per request; one compiled pass is cheaper than that many
+        scalar ones)."""
         rows = observation.rows
         if rows is None:
             return
         probs = observation.probs = self.estimator.probs(rows)
-        bound = self._length_bounds(probs, observation)
-        if self.probe_interval > 0 and self._probe_scale > 0:
-            due = self.slots.arrays["zero_streak"][rows] >= self._probe_gap(rows)
-            bound = np.where(due, np.maximum(bound, 1), bound)
-        bound = clip(bound, 0, self.max_draft)
-        if self.calibrator is not None:
-            # Confidences only arrive with the drafts.
-            bound = np.where(self.slots.arrays["conf_seen"][rows], self.max_draft, bound)
+        a = self.slots.arrays
+        # Confidences only arrive with the drafts: no bound for rows given them.
+        bound = length_bounds(rows, probs, float(self._length_threshold(observation)),
+                              a["zero_streak"], a["probe_level"], self._probe_gap(),
+                              self._MAX_BACKOFF,
+                              _NO_FLAGS if self.calibrator is None else a["conf_seen"],
+                              self.max_draft)
         observation.bounds = dict(zip((r.req_id for r in ctx.requests), bound.tolist()))
 
-    def _observe_cut(self, reqs, rows, emitted, n, m):
-        """Learn the outcome of the first draft cut last step, for free.
+    def _free_cut_outcomes(self, rows: np.ndarray, peek_at: np.ndarray, hit: np.ndarray
+                           ) -> None:
+        """The first cut drafts observed for free (``step_outcomes``), counted
+        against what the estimate foresaw for them before learning.
 
         When every kept draft was accepted, the target sampled its own token
         at the cut draft's position. For a deterministic draft token x,
@@ -302,27 +310,12 @@ class EstimatingController(DraftLengthController):
         accepted" (greedy: exactly its outcome). Without it, a position the
         controller cuts is never observed again and an under-estimate there
         cannot correct itself; with it, even a request kept at k = 0 learns
-        its first-draft acceptance every step. Returns (n, m) with the
-        observed cut position added.
+        its first-draft acceptance every step.
         """
-        a = self.slots.arrays
-        cut_token = a["cut_token"][rows].copy()
-        cut_at = a["cut_at"][rows].copy()
-        a["cut_token"][rows] = -1
-        if not self.observe_cut:
-            return n, m
-        peek = (cut_token >= 0) & (emitted > 0) & (m == n) & (cut_at == n)
-        if not peek.any():
-            return n, m
-        last = np.array([int(r.accepted[-1]) if len(r.accepted) else -1 for r in reqs],
-                        dtype=np.int64)
-        hit = peek & (last == cut_token)
-        self.cut_observed += int(peek.sum())
-        if self.counting_free:
-            at = clip(cut_at[peek], 0, self.max_draft - 1)
-            self._free_outcome(hit[peek],
-                               self.estimator.probs(rows[peek])[np.arange(len(at)), at])
-        return n + peek, m + hit
+        peek = peek_at >= 0
+        at = clip(peek_at[peek], 0, self.max_draft - 1)
+        self._free_outcome(hit[peek] > 0,
+                           self.estimator.probs(rows[peek])[np.arange(len(at)), at])
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
         p = clip(np.asarray(foreseen, np.float64), 0.0, 1.0)
@@ -338,7 +331,7 @@ class EstimatingController(DraftLengthController):
             return self._settle(rows, drafts, lengths, np.zeros(len(lengths), np.int64),
                                 bound, None, None)
         q, q_raw, conf = self._prefix_probs(rows, drafts, width, observation)
-        valid = np.arange(width)[None, :] < lengths[:, None]
+        valid = self._prefixes[lengths, :width]
         keep = self._choose(lengths, q, valid, observation)
         return self._settle(rows, drafts, lengths, keep, bound, q_raw, conf)
 
@@ -356,14 +349,9 @@ class EstimatingController(DraftLengthController):
         """(prefix probabilities P(drafts 1..j accepted) as the rule reads
         them, the same before prefix calibration, the raw confidences or
         None), each [rows, width]."""
-        p = (observation.probs if observation.probs is not None
-             else self.estimator.probs(rows))[:, :width]
+        p = observation.probs if observation.probs is not None else self.estimator.probs(rows)
         conf = self._confidence_matrix(drafts, width)
-        if conf is not None:
-            cal = self.calibrator.calibrate(rows, conf)
-            p = np.where(np.isnan(cal), p, cal)
-        q_raw = np.cumprod(p, axis=1)
-        q = self.prefix.apply(q_raw) if self.prefix is not None else q_raw
+        q, q_raw = prefix_probabilities(rows, p, width, conf, self.calibrator, self.prefix)
         return q, q_raw, conf
 
     def _settle(self, rows, drafts: Drafts, lengths: np.ndarray, keep: np.ndarray,
@@ -371,21 +359,36 @@ class EstimatingController(DraftLengthController):
                 ) -> np.ndarray:
         """Probes, then what the next step's outcomes are matched with: the
         first cut draft, the kept prefixes' probabilities and confidences.
-        Returns the kept lengths."""
+        Returns the kept lengths (``controller_kernels.settle``).
+
+        After ``probe_interval`` consecutive zeros a row keeps one token, to
+        re-learn; a failed probe doubles the interval (once: up to 2x), an
+        accepted probe, or a non-zero choice, resets it. A row whose first
+        cut draft the next step observes (``_cut_observable``) learns
+        without verifying it and is not probed; nor is one ``max_length``
+        gave 0 (``bound``), which counts as a zero choice.
+        """
+        a = self.slots.arrays
+        size = len(lengths)
+        out = np.empty((3, size), np.int64)
+        kept, upto, cut_rows = out
+        probes, cuts = settle(rows, lengths, np.asarray(keep, np.int64), bound,
+                              self.observe_cut and q_raw is not None,
+                              self._stochastic_rows(drafts, size), a["zero_streak"],
+                              a["probe_level"], a["probing"], self._probe_gap(),
+                              self._MAX_BACKOFF, a["cut_at"], kept, upto, cut_rows)
+        self.probes += probes
         if q_raw is None:
-            keep = self._probe(rows, lengths, keep, bound)
             if self.calibrator is not None:
-                self.calibrator.remember(rows, None, keep)
-            return np.minimum(keep, lengths)
-        observable = self._cut_observable(drafts, lengths)
-        keep = self._probe(rows, lengths, keep, bound, observable)
-        keep = np.minimum(keep, lengths)
-        cut = self._remember_cut(rows, drafts, lengths, keep, observable)
+                self.calibrator.remember(rows, None, kept)
+            return kept
+        for i in cut_rows[:cuts].tolist():
+            a["cut_token"][rows[i]] = int(drafts.tokens[i][kept[i]])
         if self.prefix is not None:
-            self.prefix.remember(rows, q_raw, keep + cut)
+            self.prefix.remember(rows, q_raw, upto)
         if self.calibrator is not None:
-            self.calibrator.remember(rows, conf, keep, keep + cut)
-        return keep
+            self.calibrator.remember(rows, conf, kept, upto)
+        return kept
 
     def _choose(self, lengths: np.ndarray, q: np.ndarray, valid: np.ndarray,
                 observation: Observation) -> np.ndarray:
@@ -393,15 +396,11 @@ class EstimatingController(DraftLengthController):
         ``q`` (``valid`` marks offered drafts)."""
         raise NotImplementedError
 
-    def _length_bounds(self, probs: np.ndarray, observation: Observation) -> np.ndarray:
-        """The policy's bound on kept drafts, per row of probabilities."""
-        return np.full(len(probs), self.max_draft, dtype=np.int64)
-
-    @staticmethod
-    def _history_bounds(probs: np.ndarray, threshold: float) -> np.ndarray:
-        """Per row, how many leading drafts have a prefix probability above
-        ``threshold`` by the request's history."""
-        return (np.cumprod(probs, axis=1) > threshold).sum(1)
+    def _length_threshold(self, observation: Observation) -> float:
+        """The policy's bound on kept drafts: a row keeps at most the
+        leading drafts whose prefix probability by the request's history
+        beats this (-inf: no bound)."""
+        return -math.inf
 
     def _confidence_matrix(self, drafts: Drafts, width: int) -> np.ndarray | None:
         if not self.uses_confidence or drafts.confidence is None:
@@ -422,58 +421,22 @@ class EstimatingController(DraftLengthController):
                 out[i, :len(c)] = c
         return out
 
-    def _cut_observable(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
-        """Rows whose cut draft the next step observes: deterministic drafts
-        with observe_cut on. Rows with draft probabilities (stochastic
-        drafts) are left out: their acceptance is min(1, p/q), which the
-        sampled token does not show. An observable zero choice still
-        teaches, so it needs no probe."""
-        ok = (lengths > 0) & self.observe_cut
-        if drafts.probs is not None:
-            ok &= np.array([drafts.probs[i] is None if i < len(drafts.probs) else True
-                            for i in range(len(lengths))], dtype=bool)
-        return ok
+    def _stochastic_rows(self, drafts: Drafts, size: int) -> np.ndarray:
+        """Rows with draft probabilities (stochastic drafts; empty: none),
+        whose cut draft the next step cannot observe: their acceptance is
+        min(1, p/q), which the sampled token does not show. Every other
+        offered row's is observed (with observe_cut on), and an observable
+        zero choice still teaches, so it needs no probe."""
+        if drafts.probs is None:
+            return _NO_FLAGS
+        return np.array([i < len(drafts.probs) and drafts.probs[i] is not None
+                         for i in range(size)], dtype=bool)
 
-    def _remember_cut(self, rows, drafts: Drafts, lengths: np.ndarray,
-                      keep: np.ndarray, observable: np.ndarray) -> np.ndarray:
-        """Store the first cut draft of each ``observable`` row; returns the
-        rows that have one."""
-        cut = (keep < lengths) & observable
-        a = self.slots.arrays
-        idx = np.nonzero(cut)[0]
-        if len(idx):
-            a["cut_token"][rows[idx]] = [int(drafts.tokens[i][keep[i]]) for i in idx]
-            a["cut_at"][rows[idx]] = keep[idx]
-        return cut
-
-    def _probe_gap(self, rows: np.ndarray) -> np.ndarray:
-        level = np.minimum(self.slots.arrays["probe_level"][rows], self._MAX_BACKOFF)
-        return (self.probe_interval * self._probe_scale) << level
-
-    def _probe(self, rows: np.ndarray, lengths: np.ndarray, keep: np.ndarray,
-               bound: np.ndarray, observed: np.ndarray | bool = False) -> np.ndarray:
-        """After probe_interval consecutive zeros keep one token, to re-learn.
-
-        A failed probe doubles the interval (once: up to 2x); an accepted probe,
-        or a non-zero choice, resets it. Rows in ``observed`` learn their
-        first draft's outcome without verifying it (``_observe_cut``) and
-        are not probed. ``bound``: rows ``max_length`` gave 0.
-        """
-        a = self.slots.arrays
-        zs = a["zero_streak"]
-        offered = lengths > 0
-        zero = (offered & (keep == 0)) | bound
-        a["probe_level"][rows[offered & (keep > 0)]] = 0
+    def _probe_gap(self) -> int:
+        """Zero choices in a row before a probe, before backoff (0: none)."""
         if self.probe_interval > 0 and self._probe_scale > 0:
-            due = zero & offered & ~observed & (zs[rows] >= self._probe_gap(rows))
-            if due.any():
-                keep = keep.copy()
-                keep[due] = 1
-                a["probing"][rows[due]] = True
-                self.probes += int(due.sum())
-                zero = zero & ~due
-        zs[rows] = np.where(zero, zs[rows] + 1, np.where(offered, 0, zs[rows]))
-        return keep
+            return self.probe_interval * self._probe_scale
+        return 0
 
     def stats(self) -> dict:
         out = super().stats()
@@ -510,8 +473,8 @@ class AcceptanceController(EstimatingController):
         k_prob = (valid & (q >= self.options["min_prob"])).sum(1)
         return np.minimum(k_frac, k_prob)
 
-    def _length_bounds(self, probs, observation) -> np.ndarray:
-        return self._history_bounds(probs, self.options["min_prob"] - 1e-12)
+    def _length_threshold(self, observation) -> float:
+        return self.options["min_prob"] - 1e-12
 
 
 class ConfidenceController(EstimatingController):
@@ -528,5 +491,5 @@ class ConfidenceController(EstimatingController):
     def _choose(self, lengths, q, valid, observation) -> np.ndarray:
         return (valid & (q >= self.options["threshold"])).sum(1)
 
-    def _length_bounds(self, probs, observation) -> np.ndarray:
-        return self._history_bounds(probs, self.options["threshold"] - 1e-12)
+    def _length_threshold(self, observation) -> float:
+        return self.options["threshold"] - 1e-12

@@ -81,8 +81,8 @@ def learn_rows(rows, n, m, depth, acc_s, acc_n, win_n, win_m, win_pos, glob, gps
     rate = (glob[0] + prior_acceptance) / (glob[1] + 1.0)
     changes = 0
     for i in range(rows_n):
-        if n[i] > 0 and _detect_change(rows[i], depth, acc_s, acc_n, win_n, win_m, win_pos, rate, decay,
-                          change_threshold):
+        if n[i] > 0 and _detect_change(rows[i], depth, acc_s, acc_n, win_n, win_m, win_pos,
+                                       rate, decay, change_threshold):
             changes += 1
     return changes
 

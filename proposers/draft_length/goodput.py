@@ -286,12 +286,11 @@ class GoodputController(EstimatingController):
         a, b = self.cost.line(batch)
         return batch / max(a + b * batch, 1e-12)
 
-    def _length_bounds(self, probs: np.ndarray, observation: Observation) -> np.ndarray:
+    def _length_threshold(self, observation: Observation) -> float:
         # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
         # a bound from history at (half) this step's batch size.
         batch = max(1, observation.batch // 2)
-        threshold = self.cost.line(batch)[1] * self._idle_goodput(batch)
-        return self._history_bounds(probs, threshold)
+        return self.cost.line(batch)[1] * self._idle_goodput(batch)
 
     # ---------------------------------------------------- drafting, decide
     def max_length(self, req_id: str, observation: Observation) -> int:

@@ -1,0 +1,150 @@
+"""The estimating controllers' per-step bookkeeping, compiled.
+
+Around the estimator and the calibrations, each step reads what the last
+one verified (its cut draft, its probes), bounds each request's draft,
+probes and remembers what the next step will be read against, and counts
+its decisions. As numpy these were some fifty array calls a step over a
+handful of rows, where dispatch (twice as dear with the caches cold after
+a forward) outweighed the arithmetic. These loops do the same over the
+slot arrays in place; ``EstimatingController`` says what the numbers mean.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vllm_plugins.proposers.jit import cached_njit
+
+
+@cached_njit
+def step_outcomes(rows, info, trees, cut_token, cut_at, observe_cut, probing, probe_level,
+                  n, m, peek_at, hit):
+    """What each row's last drafts showed. ``info`` per row: tokens
+    emitted, drafts verified, the last emitted token (-1: none); ``trees``
+    (empty: none) marks rows whose drafts were trees, which teach no
+    position. Writes ``n``/``m`` (positions observed, of which the first
+    accepted) with the first cut draft added where the target's own token
+    shows its outcome (``peek_at``: its position, -1 where not; ``hit``:
+    accepted), consumes the stored cut draft, and settles probes: an
+    accepted probe clears the row's backoff, a rejected one adds to it.
+    Returns the number of cut drafts observed."""
+    peeks = 0
+    for i in range(len(rows)):
+        row = rows[i]
+        emitted = info[i, 0]
+        ni = info[i, 1] if emitted > 0 else 0
+        if len(trees) and trees[i]:
+            ni = 0
+        mi = min(max(emitted - 1, 0), ni)
+        token = cut_token[row]
+        at = cut_at[row]
+        cut_token[row] = -1
+        peek_at[i] = -1
+        hit[i] = False
+        if observe_cut and token >= 0 and emitted > 0 and mi == ni and at == ni:
+            peek_at[i] = at
+            hit[i] = info[i, 2] == token
+            peeks += 1
+            ni += 1
+            if hit[i]:
+                mi += 1
+        n[i] = ni
+        m[i] = mi
+        if probing[row] and ni > 0:
+            probe_level[row] = 0 if mi > 0 else probe_level[row] + 1
+        probing[row] = False
+    return peeks
+
+
+@cached_njit
+def _probe_gap(row, gap, probe_level, max_backoff):
+    return gap << min(probe_level[row], max_backoff)
+
+
+@cached_njit
+def length_bounds(rows, probs, threshold, zero_streak, probe_level, gap, max_backoff,
+                  conf_seen, max_draft):
+    """Each row's bound on kept drafts: the leading drafts whose prefix
+    probability by history beats ``threshold``; at least 1 where a probe
+    is due (``gap`` > 0: zero choices before one, doubled per failed probe
+    up to ``max_backoff`` times); every draft for rows given confidences
+    (``conf_seen``, empty: none), which arrive only with the drafts."""
+    out = np.empty(len(rows), np.int64)
+    for i in range(len(rows)):
+        row = rows[i]
+        q = 1.0
+        bound = 0
+        for j in range(probs.shape[1]):
+            q *= probs[i, j]
+            if q > threshold:
+                bound += 1
+        if gap > 0 and zero_streak[row] >= _probe_gap(row, gap, probe_level, max_backoff):
+            bound = max(bound, 1)
+        bound = min(max(bound, 0), max_draft)
+        if len(conf_seen) and conf_seen[row]:
+            bound = max_draft
+        out[i] = bound
+    return out
+
+
+@cached_njit
+def settle(rows, lengths, keep, bound, observe_cut, stochastic, zero_streak, probe_level,
+           probing, gap, max_backoff, cut_at, kept, upto, cut_rows):
+    """Probes, then the first cut draft: after enough zero choices in a
+    row (``gap`` > 0, as in ``length_bounds``) an offered row keeps one
+    draft, unless the next step observes its cut draft's outcome for free
+    (``observe_cut``, and not ``stochastic``, empty: none); ``bound``
+    marks rows ``max_length`` gave none, zero choices too. Writes ``kept``
+    (at most ``lengths``), ``upto`` (kept, plus the first cut draft where
+    observed, its position into ``cut_at``) and the batch rows with such a
+    cut draft into ``cut_rows``. Returns (probes, cut drafts)."""
+    probes = 0
+    cuts = 0
+    for i in range(len(rows)):
+        row = rows[i]
+        offered = lengths[i] > 0
+        observable = observe_cut and offered and not (len(stochastic) and stochastic[i])
+        k = keep[i]
+        zero = (offered and k == 0) or bound[i]
+        if offered and k > 0:
+            probe_level[row] = 0
+        if (gap > 0 and zero and offered and not observable
+                and zero_streak[row] >= _probe_gap(row, gap, probe_level, max_backoff)):
+            k = 1
+            probing[row] = True
+            probes += 1
+            zero = False
+        if zero:
+            zero_streak[row] += 1
+        elif offered:
+            zero_streak[row] = 0
+        k = min(k, lengths[i])
+        kept[i] = k
+        upto[i] = k
+        if k < lengths[i] and observable:
+            cut_at[row] = k
+            upto[i] = k + 1
+            cut_rows[cuts] = i
+            cuts += 1
+    return probes, cuts
+
+
+@cached_njit
+def count_decisions(lengths, keep, bound, hist):
+    """Clips ``keep`` to [0, lengths] in place and counts the step's
+    decisions into ``hist`` (index k: decisions keeping k). Returns (rows
+    offered nothing by the proposer, decisions, zero choices, whether any
+    row was offered a draft or bounded to none)."""
+    no_draft = decisions = zeros = 0
+    for i in range(len(lengths)):
+        k = min(max(keep[i], 0), lengths[i])
+        keep[i] = k
+        offered = lengths[i] > 0
+        if not offered and not bound[i]:
+            no_draft += 1
+            continue
+        decisions += 1
+        if k == 0 or bound[i]:
+            zeros += 1
+        hist[k] += 1
+    return no_draft, decisions, zeros, decisions > 0
