@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from vllm_plugins.bridge.counters import (
-    METRICS, PREFIX, add, collect, counted_processors, growth,
+    METRICS, PREFIX, add, counted_processors, growth, nested, totals,
 )
 from vllm_plugins.bridge.state import RunnerState
 from vllm_plugins.counted import Counted
@@ -27,7 +27,7 @@ def test_docs_list_every_metric_and_no_other():
 
 
 class Proposer:
-    """What collect reads of a proposer: its declared counters()."""
+    """What totals reads of a proposer: its declared counters()."""
 
     def __init__(self):
         self.totals = {"proposer_errors": {"": 1}, "source_errors": {"ngram": 2},
@@ -40,16 +40,16 @@ class Proposer:
 def test_reports_carry_growth_that_adds_up_to_the_totals():
     state = RunnerState(proposer=Proposer())
     state.counters.steps = 4
-    first = collect(state)
-    assert first["steps"] == {"": 4}
-    assert first["source_errors"] == {"ngram": 2}
-    assert "not_a_metric" not in first  # only declared metrics travel
+    first = totals(state)
+    assert first[("steps", "")] == 4
+    assert first[("source_errors", "ngram")] == 2
+    assert "not_a_metric" not in nested(first)  # only declared metrics travel
     state.counters.steps = 7
     state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 1}
-    second = collect(state)
+    second = totals(state)
     grown = growth(second, first)
-    assert grown == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
-    assert add(add({}, growth(first, {})), grown)["steps"] == {"": 7}
+    assert nested(grown) == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
+    assert add(nested(first), nested(grown))["steps"] == {"": 7}
     assert growth(second, second) == {}
 
 
@@ -70,7 +70,7 @@ def test_proposers_declare_only_known_metrics():
     assert {"rest_steps", "zero_draft_decisions"} <= set(hybrid.counters())  # goodput
     assert grammar.counters()["grammar_forced_tokens"] == {"": 0}
     hybrid.num_errors = 2
-    assert collect(RunnerState(proposer=hybrid))["proposer_errors"] == {"": 2}
+    assert totals(RunnerState(proposer=hybrid))[("proposer_errors", "")] == 2
 
 
 def test_the_scheduler_adds_grammar_failures_to_the_steps_stats():
@@ -102,10 +102,10 @@ class Processor(Counted):
 def test_logits_processors_counters_travel_without_a_proposer():
     state = RunnerState()  # a runner with only our grammar processor
     state.counters.steps = 5  # not ours to report: nothing of ours drafts
-    assert collect(state, [Processor(7), Processor(2)]) == {"awrs_evaluations": {"": 9}}
+    assert totals(state, [Processor(7), Processor(2)]) == {("awrs_evaluations", ""): 9}
     drafting = RunnerState(proposer=Proposer())
-    both = collect(drafting, [Processor(3)])
-    assert both["awrs_evaluations"] == {"": 3} and both["proposer_errors"] == {"": 1}
+    both = totals(drafting, [Processor(3)])
+    assert both[("awrs_evaluations", "")] == 3 and both[("proposer_errors", "")] == 1
 
 
 def test_counted_processors_are_found_on_either_runner():
@@ -113,6 +113,59 @@ def test_counted_processors_are_found_on_either_runner():
     v1 = SimpleNamespace(input_batch=SimpleNamespace(
         logitsprocs=SimpleNamespace(all=[theirs, ours])))
     v2 = SimpleNamespace(sampler=SimpleNamespace(logits_processors=[ours, theirs]))
-    assert counted_processors(v1) == [ours]
-    assert counted_processors(v2) == [ours]
-    assert counted_processors(SimpleNamespace()) == []
+    assert counted_processors(v1) == (ours,)
+    assert counted_processors(v2) == (ours,)
+    assert counted_processors(SimpleNamespace()) == ()
+
+
+def test_the_worker_hook_reports_every_growth_once():
+    """Through the patched ``Worker.sample_tokens``: a runner with only our
+    processors carries nothing of ours until they count; from then on, and
+    on a drafting runner, the reports add up to the totals, steps with no
+    growth report nothing, and a new input batch's processors are read."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.sample.logits_processor.state import LogitsProcessors
+
+    from vllm_plugins.bridge.counters import OUTPUT_ATTR, wrap_worker_sample_tokens
+    from vllm_plugins.bridge.state import attach, state_of
+
+    class Batch:
+        def __init__(self, *procs):
+            self.logitsprocs = LogitsProcessors()
+            self.logitsprocs.non_argmax_invariant.extend(procs)
+
+    class Runner:
+        pass
+
+    sample_tokens = wrap_worker_sample_tokens(
+        lambda worker, grammar_output: ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+    reported = {}
+
+    def step(worker):
+        out = sample_tokens(worker, None)
+        add(reported, getattr(out, OUTPUT_ATTR, {}))
+        return getattr(out, OUTPUT_ATTR, None)
+
+    plain = SimpleNamespace(model_runner=Runner())
+    processor = Processor(0)
+    plain.model_runner.input_batch = Batch(object(), processor)
+    assert step(plain) is None and state_of(plain.model_runner) is None
+    processor.evaluations = 4
+    assert step(plain) == {"awrs_evaluations": {"": 4}}
+    assert step(plain) is None
+    plain.model_runner.input_batch = Batch(Processor(3), processor)  # a new batch
+    assert step(plain) == {"awrs_evaluations": {"": 3}}
+
+    drafting = SimpleNamespace(model_runner=Runner())
+    drafting.model_runner.input_batch = Batch()
+    state = attach(drafting.model_runner, Proposer())
+    reported.clear()
+    for n in range(1, 6):
+        state.counters.steps = n
+        if n == 3:
+            state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 5}
+        step(drafting)
+    grown = nested({key: total for key, total in totals(state).items() if total})
+    assert reported == grown == {"steps": {"": 5}, "proposer_errors": {"": 1},
+                                 "source_errors": {"ngram": 2, "suffix": 5}}
+    assert step(drafting) is None   # nothing grew

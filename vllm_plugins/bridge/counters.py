@@ -3,7 +3,7 @@
 They travel vLLM's own stat path, the one its ``spec_decode`` counters take:
 
   worker        ``Worker.sample_tokens`` (patch ``metrics.worker_counters``):
-                ``collect(state)`` reads the runner's ``RunnerState``; what
+                ``totals(state)`` reads the runner's ``RunnerState``; what
                 grew since the last report rides the step's
                 ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
   engine core   ``Scheduler.update_from_output`` puts it on the step's
@@ -20,7 +20,7 @@ step's stats adds that step's growth, so counters summed over API servers
 and over data-parallel engines are exact. The output rank's counters are
 read: tensor-parallel ranks draft alike (``bridge/ranks.py``).
 
-``collect`` takes a ``RunnerState`` and the runner's ``Counted`` logits
+``totals`` takes a ``RunnerState`` and the runner's ``Counted`` logits
 processors (``vllm_plugins/counted.py``), nothing else of the runner, so
 any adapter that keeps one (the V1 runner's, V2's) feeds the same path
 through ``report``. An engine that runs only our grammar processor reports
@@ -34,6 +34,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from vllm_plugins.bridge.processors import of_kind
+from vllm_plugins.bridge.state import attach, state_of
 from vllm_plugins.counted import Counted
 
 #: ModelRunnerOutput attribute: {metric: {label value: increment}}.
@@ -99,48 +101,69 @@ METRICS: tuple[Metric, ...] = (
 BY_NAME = {m.name: m for m in METRICS}
 
 Snapshot = dict[str, dict[str, int]]
+#: The same, flat: (metric, label value) -> total, as each step compares it.
+Totals = dict[tuple[str, str], int]
 
 
-def collect(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
+def totals(state: Any, processors: Iterable[Counted] = ()) -> Totals:
     """Totals of one ``RunnerState`` (its step counters and its proposer's,
-    where it has one) and of the runner's ``Counted`` logits processors."""
-    out: Snapshot = {}
+    where it has one) and of the runner's ``Counted`` logits processors,
+    flat: read after every step, so no nested dict is built for them."""
+    out: Totals = {}
     proposer = state.proposer
     if proposer is not None:
         c = state.counters
-        out = {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
-               "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
-               "kv_moved_tokens": {"": c.kv_moved}}
-    for counted in ([proposer] if proposer is not None else []) + list(processors):
-        for name, values in counted.counters().items():
-            if name in BY_NAME:
-                merged = out.setdefault(name, {})
-                for label, value in values.items():
-                    merged[label] = merged.get(label, 0) + int(value)
+        out = {("steps", ""): c.steps, ("malformed_drafts", ""): c.malformed_drafts,
+               ("tree_steps", ""): c.tree_steps, ("tree_requests", ""): c.tree_requests,
+               ("kv_moved_tokens", ""): c.kv_moved}
+        _add_declared(out, proposer.counters())
+    for counted in processors:
+        _add_declared(out, counted.counters())
     return out
 
 
-def counted_processors(runner: Any) -> list[Counted]:
-    """The runner's logits processors that keep counters: V1's in its input
-    batch (``InputBatch.logitsprocs.all``), V2's in its sampler
-    (``Sampler.logits_processors``)."""
-    batch = getattr(runner, "input_batch", None)
-    procs = getattr(getattr(batch, "logitsprocs", None), "all", None)
-    if procs is None:
-        procs = getattr(getattr(runner, "sampler", None), "logits_processors", None) or ()
-    return [p for p in procs if isinstance(p, Counted)]
+def _add_declared(out: Totals, reported: Snapshot) -> None:
+    for name, values in reported.items():
+        if name in BY_NAME:
+            for label, value in values.items():
+                key = (name, label)
+                out[key] = out.get(key, 0) + int(value)
 
 
-def growth(now: Snapshot, before: Snapshot) -> Snapshot:
-    """What grew from ``before`` to ``now`` (counters never shrink)."""
+def nested(flat: Totals) -> Snapshot:
     out: Snapshot = {}
-    for name, values in now.items():
-        old = before.get(name, {})
-        grown = {label: v - old.get(label, 0) for label, v in values.items()
-                 if v > old.get(label, 0)}
-        if grown:
-            out[name] = grown
+    for (name, label), value in flat.items():
+        out.setdefault(name, {})[label] = value
     return out
+
+
+def counted_processors(runner: Any) -> tuple[Counted, ...]:
+    """The runner's logits processors that keep counters: V1's in its input
+    batch (``InputBatch.logitsprocs``), V2's in its sampler
+    (``Sampler.logits_processors``)."""
+    procs = getattr(getattr(runner, "input_batch", None), "logitsprocs", None)
+    if procs is not None:
+        return of_kind(procs, Counted)
+    sampler = getattr(runner, "sampler", None)
+    if sampler is None:
+        return ()
+    return of_kind(sampler, Counted, _sampler_processors)
+
+
+def _sampler_processors(sampler: Any) -> Iterable:
+    return getattr(sampler, "logits_processors", None) or ()
+
+
+def any_counted(processors: Iterable[Counted]) -> bool:
+    """Whether any of ``processors`` counted anything yet."""
+    return any(v for p in processors for values in p.counters().values()
+               for v in values.values())
+
+
+def growth(now: Totals, before: Totals) -> Totals:
+    """What grew from ``before`` to ``now`` (counters never shrink)."""
+    return {key: value - before.get(key, 0) for key, value in now.items()
+            if value > before.get(key, 0)}
 
 
 def add(total: Snapshot, more: Snapshot) -> Snapshot:
@@ -155,18 +178,23 @@ def report(state: Any, output: Any, processors: Iterable[Counted] = ()) -> None:
     """Puts what ``state``'s counters (and ``processors``') grew since the
     last report on the step's ``output`` (a ModelRunnerOutput, or an async
     one)."""
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-
-    if output is None or output is EMPTY_MODEL_RUNNER_OUTPUT:
+    if output is None or output is _empty_output():
         return  # nothing reaches the scheduler: report at a later step
-    now = collect(state, processors)
+    now = totals(state, processors)
     grown = growth(now, state.counters_reported)
     if not grown:
         return
     from vllm_plugins.bridge.grammar_hold import attach_to_output
 
-    attach_to_output(output, {OUTPUT_ATTR: grown})
+    attach_to_output(output, {OUTPUT_ATTR: nested(grown)})
     state.counters_reported = now
+
+
+@functools.cache
+def _empty_output() -> Any:
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    return EMPTY_MODEL_RUNNER_OUTPUT
 
 
 def wrap_worker_sample_tokens(original):
@@ -177,20 +205,20 @@ def wrap_worker_sample_tokens(original):
     @functools.wraps(original)
     def sample_tokens(self, grammar_output):
         out = original(self, grammar_output)
-        from vllm_plugins.bridge.state import attach, state_of
-
         runner = self.model_runner
         state = state_of(runner)
         processors = counted_processors(runner)
-        if state is None and any(v for p in processors
-                                 for values in p.counters().values() for v in values.values()):
+        if state is None:
+            if not processors or not any_counted(processors):
+                return out
             # A runner with only our logits processors gets a state to keep
             # its last report in once they counted something (a state
             # without a proposer drafts nothing; an engine whose requests
             # used nothing of ours keeps nothing of ours).
             state = attach(runner)
-        if state is not None and (processors or state.proposer is not None):
-            report(state, out, processors)
+        elif not processors and state.proposer is None:
+            return out
+        report(state, out, processors)
         return out
 
     return sample_tokens
