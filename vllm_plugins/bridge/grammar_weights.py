@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_plugins.bridge.processors import grammar_processors
+
 #: ModelRunnerOutput attribute: {request id: [log weight of row 0, 1, ...]}.
 WEIGHTS_ATTR = "vllm_plugins_awrs_weights"
 #: Scheduler attribute: {request id: [summed log weight, tokens weighed]}.
@@ -35,18 +37,15 @@ OUTPUT_KEY = "vllm_plugins"
 def by_request_id(input_batch: Any, take: str) -> dict[str, Any]:
     """What each grammar processor's ``take`` method hands over by batch
     index (this step's rows), keyed by request id instead."""
-    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
-
     procs = getattr(input_batch, "logitsprocs", None)
     if procs is None:
         return {}
     out: dict[str, Any] = {}
     req_ids = input_batch.req_ids
-    for proc in procs.all:
-        if isinstance(proc, GrammarLogitsProcessor):
-            for index, value in getattr(proc, take)().items():
-                if index < len(req_ids) and req_ids[index] is not None:
-                    out[req_ids[index]] = value
+    for proc in grammar_processors(procs):
+        for index, value in getattr(proc, take)().items():
+            if index < len(req_ids) and req_ids[index] is not None:
+                out[req_ids[index]] = value
     return out
 
 

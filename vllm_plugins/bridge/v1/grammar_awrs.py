@@ -15,24 +15,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_plugins.bridge.processors import grammar_processors
 
-def before_sample(runner: Any, plain: bool) -> list:
+
+def before_sample(runner: Any, plain: bool) -> tuple:
     """The step's grammar processors, told whether this step is followed up:
     only a step sampled by the plain sampler (``plain``: no drafts to
     verify, one row a request) is."""
-    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
-
     batch = getattr(runner, "input_batch", None)
     procs = getattr(batch, "logitsprocs", None)
     if procs is None:
-        return []
-    grammar = [p for p in procs.all if isinstance(p, GrammarLogitsProcessor)]
+        return ()
+    grammar = grammar_processors(procs)
     for proc in grammar:
         proc.awrs_defer = plain
     return grammar
 
 
-def after_sample(grammar: list, sampler_output: Any) -> None:
+def after_sample(grammar: tuple, sampler_output: Any) -> None:
     """Check (and where refused, redraw) the tokens of the rows left to vLLM."""
     if not grammar or sampler_output is None:
         return

@@ -44,6 +44,7 @@ import logging
 
 import torch
 
+from vllm_plugins.bridge.processors import grammar_class, grammar_processors
 from vllm_plugins.registry import applies_processors
 from vllm_plugins.tree.sampling import SAMPLING_EPS
 
@@ -54,12 +55,6 @@ logger = logging.getLogger("vllm_plugins")
 # the step's draft counts by batch index (wrap_min_tokens_apply).
 COUNTS_DRAFTS = "_vllm_plugins_counts_drafts"
 BONUS_DRAFTS = "_vllm_plugins_bonus_drafts"
-
-
-def _grammar_class():
-    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
-
-    return GrammarLogitsProcessor
 
 
 # ------------------------------------------------------------- start-up
@@ -75,7 +70,7 @@ def wrap_build_logitsprocs(original):
                             custom_logitsprocs)
         from vllm.v1.sample import logits_processor as lp
 
-        grammar = _grammar_class()
+        grammar = grammar_class()
         explicit = lp._load_logitsprocs_by_fqcns(custom_logitsprocs)
         refused = [c.__name__ for c in explicit if not issubclass(c, grammar)]
         if refused:
@@ -113,9 +108,7 @@ def _split_drafts(metadata) -> list[list[int]]:
 
 
 def _grammar_processors(sampling_metadata) -> list:
-    grammar = _grammar_class()
-    return [p for p in sampling_metadata.logitsprocs.non_argmax_invariant
-            if isinstance(p, grammar) and p._reqs]
+    return [p for p in grammar_processors(sampling_metadata.logitsprocs) if p._reqs]
 
 
 def _min_tokens_processors(sampling_metadata) -> list:
@@ -230,15 +223,15 @@ def wrap_apply_logits_processors(original):
     # vllm.v1.sample.rejection_sampler.RejectionSampler.apply_logits_processors(
     #     self, logits, sampling_metadata, metadata) -> logits: the target rows
     #     (float32, a copy), before temperature and top-k/top-p.
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor)
+
     @functools.wraps(original)
     def apply_logits_processors(self, logits, sampling_metadata, metadata):
-        from vllm.v1.sample.logits_processor.builtin import (
-            LogitBiasLogitsProcessor, MinPLogitsProcessor)
-
         procs = sampling_metadata.logitsprocs
         num_draft = list(metadata.num_draft_tokens)
-        grammar = _grammar_class()
-        if any(isinstance(p, grammar) and p._reqs for p in procs.non_argmax_invariant):
+        grammar = grammar_class()
+        if any(p._reqs for p in grammar_processors(procs)):
             vllm_masks(self, logits, sampling_metadata, metadata)
         for p in procs.non_argmax_invariant:  # plain order: builtins, then ours
             if isinstance(p, LogitBiasLogitsProcessor) and p.biases:
