@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from vllm_plugins.proposers.jit import cached_njit
+
 if TYPE_CHECKING:
     from vllm_plugins.step_context import StepContext
 
@@ -41,18 +43,15 @@ class ModeRates:
     _CELLS = 72
 
     def __init__(self):
-        self.tokens = np.zeros((2, self._CELLS))
-        self.seconds = np.zeros((2, self._CELLS))
-        self.count = np.zeros((2, self._CELLS))
-        # The tokens the model promised in the same time, per mode (awake: the
-        # rule's prediction; resting: the idle rate), and the tokens delivered
-        # on those steps.
-        self.promised = np.zeros((2, self._CELLS))
-        self.delivered = np.zeros((2, self._CELLS))
-        # Our own seconds per step (top-k extraction and proposer), per mode:
+        # One array, so a step's update is one compiled call (``_observe``).
+        self._tables = np.zeros((7, 2, self._CELLS))
+        (self.tokens, self.seconds, self.count, self.promised, self.delivered, self.own,
+         self.own_count) = self._tables
+        # ``promised``/``delivered``: the tokens the model promised in the
+        # same time, per mode (awake: the rule's prediction; resting: the
+        # idle rate), and the tokens delivered on those steps. ``own``: our
+        # own seconds per step (top-k extraction and proposer), per mode:
         # reported, not decided on (docs/draft_length_design.md says why).
-        self.own = np.zeros((2, self._CELLS))
-        self.own_count = np.zeros((2, self._CELLS))
         self._decay = 0.5 ** (1.0 / self._HALF_LIFE)
 
     @classmethod
@@ -68,28 +67,15 @@ class ModeRates:
         """One step: its tokens and seconds (ours included), ``own_seconds``
         of them spent on our work, and the rate the model promised for it
         (awake: the rule's prediction; resting: the idle rate)."""
-        m, c = int(not resting), self.cell(batch)
-        d = self._decay
-        if own_seconds >= 0 and math.isfinite(own_seconds):
-            self.own[m, c] = d * self.own[m, c] + own_seconds
-            self.own_count[m, c] = d * self.own_count[m, c] + 1.0
-        if not (seconds > 0 and math.isfinite(seconds)):
-            return
-        if math.isfinite(predicted_rate):
-            self.promised[m, c] = d * self.promised[m, c] + predicted_rate * seconds
-            self.delivered[m, c] = d * self.delivered[m, c] + tokens
-        elif m == 1:
-            return   # an awake step without a prediction teaches no bias
-        self.tokens[m, c] = d * self.tokens[m, c] + tokens
-        self.seconds[m, c] = d * self.seconds[m, c] + seconds
-        self.count[m, c] = d * self.count[m, c] + 1.0
+        _observe(self._tables, int(not resting), self.cell(batch), self._decay, float(tokens),
+                 float(seconds), float(predicted_rate), float(own_seconds))
 
     def bias(self, batch: int, resting: bool = False) -> float:
         """Delivered / promised tokens of awake (or resting) steps at this
         batch size; 1 before any was promised."""
         m, c = int(not resting), self.cell(batch)
-        p = self.promised[m, c]
-        return float(self.delivered[m, c] / p) if p > 0 else 1.0
+        p = self.promised.item(m, c)
+        return self.delivered.item(m, c) / p if p > 0 else 1.0
 
     def own_seconds(self, batch: int) -> tuple[float, float] | None:
         """(resting, awake) seconds of our own work per step at this batch
@@ -103,8 +89,10 @@ class ModeRates:
     def rates(self, batch: int) -> tuple[float, float, float, float]:
         """(rest tokens/s, awake tokens/s, rest weight, awake weight)."""
         c = self.cell(batch)
-        r = self.tokens[:, c] / np.maximum(self.seconds[:, c], 1e-12)
-        return float(r[0]), float(r[1]), float(self.count[0, c]), float(self.count[1, c])
+        tokens, seconds = self.tokens, self.seconds
+        return (tokens.item(0, c) / max(seconds.item(0, c), 1e-12),
+                tokens.item(1, c) / max(seconds.item(1, c), 1e-12),
+                self.count.item(0, c), self.count.item(1, c))
 
     def table(self) -> dict[str, list[float | None]]:
         """Measured cells: {batch cell: [rest tokens/s, awake tokens/s]}."""
@@ -122,6 +110,25 @@ class ModeRates:
             out[str(int(c))] = [round(1e3 * float(self.own[m, c] / self.own_count[m, c]), 3)
                                 if self.own_count[m, c] > 0 else None for m in (0, 1)]
         return out
+
+
+@cached_njit
+def _observe(tables, m, c, d, tokens, seconds, predicted_rate, own_seconds):
+    """``ModeRates.observe`` on its tables (tokens, seconds, count,
+    promised, delivered, own, own_count) of mode ``m``, cell ``c``."""
+    if own_seconds >= 0 and math.isfinite(own_seconds):
+        tables[5, m, c] = d * tables[5, m, c] + own_seconds
+        tables[6, m, c] = d * tables[6, m, c] + 1.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        return
+    if math.isfinite(predicted_rate):
+        tables[3, m, c] = d * tables[3, m, c] + predicted_rate * seconds
+        tables[4, m, c] = d * tables[4, m, c] + tokens
+    elif m == 1:
+        return   # an awake step without a prediction teaches no bias
+    tables[0, m, c] = d * tables[0, m, c] + tokens
+    tables[1, m, c] = d * tables[1, m, c] + seconds
+    tables[2, m, c] = d * tables[2, m, c] + 1.0
 
 
 def step_tokens(ctx: StepContext) -> tuple[int, int]:

@@ -286,6 +286,7 @@ class RecentSizes:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._recent: dict[int, None] = {}   # insertion order = recency
+        self._array: np.ndarray | None = None   # the counts, while they stand
 
     def touch(self, tokens: int) -> bool:
         """Record a step of ``tokens`` tokens; True if the count was new."""
@@ -294,11 +295,17 @@ class RecentSizes:
         tokens = int(tokens)
         new = self._recent.pop(tokens, True) is True
         self._recent[tokens] = None
-        if len(self._recent) > self.capacity:
-            del self._recent[next(iter(self._recent))]
+        if new:
+            self._array = None
+            if len(self._recent) > self.capacity:
+                del self._recent[next(iter(self._recent))]
         return new
 
     def array(self) -> np.ndarray | None:
+        """The counts held, in no particular order (the rule asks whether a
+        count is among them every step; they change only with a new one)."""
         if self.capacity <= 0:
             return None
-        return np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
+        if self._array is None:
+            self._array = np.fromiter(self._recent, dtype=np.int64, count=len(self._recent))
+        return self._array

@@ -227,14 +227,15 @@ class TreeGoodputController(GoodputController):
             out.parents[i] = parents
         return out
 
-    def _tree_rows(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray:
+    def _tree_rows(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray | None:
         """Rows whose draft is a tree this policy reads node by node: with
         parents and confidences, without probability rows (a stochastic
-        tree's acceptance is not what its tokens show), and well formed."""
-        out = np.zeros(len(lengths), dtype=bool)
+        tree's acceptance is not what its tokens show), and well formed;
+        None where no row can be (chains: the common step)."""
         if (not self.shapes_trees or not self.uses_confidence or drafts.parents is None
                 or drafts.confidence is None):
-            return out
+            return None
+        out = np.zeros(len(lengths), dtype=bool)
         for i, n in enumerate(lengths):
             if n == 0 or i >= len(drafts.parents) or drafts.parents[i] is None \
                     or drafts.confidence[i] is None:
@@ -251,7 +252,7 @@ class TreeGoodputController(GoodputController):
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
               observation: Observation, bound: np.ndarray) -> np.ndarray:
         trees = self._tree_rows(drafts, lengths)
-        if not trees.any():
+        if trees is None or not trees.any():
             return super()._keep(ctx, drafts, lengths, observation, bound)
         rows = self._rows(ctx, lengths, observation)
         chain_lengths = np.where(trees, 0, lengths)
