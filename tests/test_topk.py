@@ -1,6 +1,7 @@
 """The bridge's blocked top-k gives torch.topk's values and ids, and
 logsumexp's normaliser, on every shape the engine hands it."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +150,33 @@ def test_small_batches_exactly_as_torch(rows, dtype, threads):
             assert torch.equal(lp, ref_lp)
     finally:
         torch.set_num_threads(before)
+
+
+def test_host_arrays_are_the_tensors_values_and_their_own():
+    """``topk_logprobs_numpy`` gives the tensors' values as fresh arrays:
+    a later call, with other rows through the kept buffer's views, leaves
+    an earlier call's arrays as they were."""
+    from vllm_plugins.topk import topk_logprobs_numpy
+
+    g = torch.Generator().manual_seed(3)
+    kept = []
+    for rows in (3, 1, 5, 3, 2):
+        logits = torch.randn(rows, 49152, generator=g) * 4
+        lp, ids = topk_logprobs_numpy(logits, 8)
+        want_lp, want_ids = topk_logprobs(logits, 8)
+        assert isinstance(lp, np.ndarray) and isinstance(ids, np.ndarray)
+        assert lp.dtype == np.float32 and ids.dtype == np.int64
+        assert np.array_equal(ids, want_ids.numpy()) and np.array_equal(lp, want_lp.numpy())
+        kept.append((lp, lp.copy(), ids, ids.copy()))
+    for lp, lp_then, ids, ids_then in kept:
+        assert np.array_equal(lp, lp_then) and np.array_equal(ids, ids_then)
+
+
+def test_strided_logits():
+    """Logits that are a view with a row stride wider than the vocabulary
+    (a slice of a padded tensor) give what their contiguous copy gives."""
+    g = torch.Generator().manual_seed(4)
+    padded = torch.randn(4, 49152 + 128, generator=g) * 4
+    logits = padded[:, :49152]
+    for got, want in zip(topk_logprobs(logits, 8), topk_logprobs(logits.contiguous(), 8)):
+        assert torch.equal(got, want)

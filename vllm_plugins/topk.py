@@ -6,24 +6,33 @@ of that work grow with the vocabulary, and on CPU they are most of the
 bridge's own work on an awake step:
 
 - The ids. ``torch.topk`` over the whole row is slow on CPU. Here the
-  vocabulary is cut into blocks of ``BLOCK`` logits: one pass (torch's)
-  takes every block's maximum, the k best blocks are the only ones that can
-  hold a top-k logit (each holds at least one logit at or above the k-th
-  largest, and there are at most k such blocks), and the exact top-k is
-  taken among their ``k * BLOCK`` logits, in one compiled loop.
+  vocabulary is cut into blocks of ``BLOCK`` logits: the k blocks with the
+  largest maxima are the only ones that can hold a top-k logit (each holds
+  at least one logit at or above the k-th largest, and there are at most k
+  such blocks), and the exact top-k is taken among their ``k * BLOCK``
+  logits.
 - The log-probabilities need each row's normaliser, a pass of ``exp`` over
-  the whole row that nothing avoids. A ``log_softmax`` of all rows at once
-  writes a fresh [rows, vocab] float32 tensor only to read k values of each
-  row: at a 262k vocabulary and 112 verified rows, 112 MiB allocated and
-  faulted in every step, which costs as much as the arithmetic. So
-  ``log_softmax`` (one fused kernel) goes a chunk of rows at a time, block
-  maxima first, into one buffer of
-  ``CHUNK_BYTES``, at least a row per thread so that a multi-threaded engine
-  still spreads the rows over its cores. Smaller chunks gain little on an
-  idle core and lose much on a busy host, where every chunk's parallel
-  region waits for its slowest thread. The buffer is kept for the next
-  call, one per calling thread (at most ``CHUNK_BYTES`` or a row per
-  thread): a fresh one is faulted in again every step.
+  the whole row that nothing avoids; ``log_softmax``'s own kernel makes it,
+  so the values are its bits. A ``log_softmax`` of all rows at once writes
+  a fresh [rows, vocab] float32 tensor only to read k values of each row:
+  at a 262k vocabulary and 112 verified rows, 112 MiB allocated and
+  faulted in every step, which costs as much as the arithmetic. So it goes
+  a chunk of rows at a time into one buffer of ``CHUNK_BYTES``, at least a
+  row per thread so that a multi-threaded engine still spreads the rows
+  over its cores. Smaller chunks gain little on an idle core and lose much
+  on a busy host, where every chunk's parallel region waits for its
+  slowest thread. The buffer is kept for the next call, one per calling
+  thread (at most ``CHUNK_BYTES`` or a row per thread): a fresh one is
+  faulted in again every step.
+
+At the few rows of a small batch the arithmetic is not the cost: the
+forward between two steps evicts the code and data of every torch call
+made here, and each (a view, ``.numpy()``, a tensor of the results) then
+costs tens of microseconds. So all but ``log_softmax`` runs in one compiled
+call per chunk (block maxima, top-k, gathering the log-probabilities), the
+buffer's views are kept with it, and ``topk_logprobs_numpy`` hands a host
+caller the arrays without tensors around them. Torch's block maxima come
+back only where its threads share them (``PARALLEL_ROWS``).
 
 Logits in bfloat16 or float16 are converted to float32 a chunk at a time
 in the same buffer, never whole.
@@ -40,73 +49,111 @@ BLOCK = 64  # topk_blocks.BLOCK, named here so that importing this loads no numb
 # log_softmax output per chunk of rows (at least one row per thread).
 CHUNK_BYTES = 8 << 20
 # From this many rows on, and on several threads, torch's block maxima (its
-# threads share them); below, the compiled loop's (one call, no dispatch).
+# threads share them); below, the compiled loop's.
 PARALLEL_ROWS = 8
-_kept = threading.local()  # .buffer: the calling thread's float32 log_softmax chunk
+# .buffer: the calling thread's float32 log_softmax chunk; .views: that
+# buffer and its (tensor, array) views by shape.
+_kept = threading.local()
+_NO_MAXIMA = np.empty((0, 0), dtype=np.float32)
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 log-probabilities, int64 token ids) of the k largest logits
-    of every row, largest first; the same values and ids as ``torch.topk``
-    plus ``logsumexp`` on the float32 logits (ids of exactly tied logits may
-    come in another order: on CPU the lower id first)."""
-    rows, vocab = logits.shape
-    k = min(k, vocab)
-    if logits.device.type != "cpu" or rows == 0:
-        x = logits.float()
-        vals, ids = torch.topk(x, k, dim=-1)
-        return vals - torch.logsumexp(x, dim=-1, keepdim=True), ids
-    if vocab // BLOCK <= k:
-        x = logits.float()
+    of every row, largest first, on the logits' device; the same values and
+    ids as ``torch.topk`` plus ``logsumexp`` on the float32 logits (ids of
+    exactly tied logits may come in another order: on CPU the lower id
+    first)."""
+    if blocked(logits, k):
+        lps, ids = host_topk(logits, k)
+        return torch.from_numpy(lps), torch.from_numpy(ids)
+    k = min(k, logits.shape[1])
+    x = logits.float()
+    if logits.is_cpu:   # a handful of blocks or no rows
         ids = torch.topk(x, k, dim=-1).indices
         return torch.log_softmax(x, -1).gather(1, ids), ids
+    vals, ids = torch.topk(x, k, dim=-1)
+    return vals - torch.logsumexp(x, dim=-1, keepdim=True), ids
+
+
+def topk_logprobs_numpy(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``topk_logprobs`` as host arrays, for a caller that reads them there:
+    on CPU no tensor is made around them; on a device they are copied once."""
+    if blocked(logits, k):
+        return host_topk(logits, k)
+    lps, ids = topk_logprobs(logits, k)
+    return lps.cpu().numpy(), ids.cpu().numpy()
+
+
+def blocked(logits: torch.Tensor, k: int) -> bool:
+    """Whether the blocked host path serves these logits: on CPU, with rows,
+    and with more blocks than k (else ``torch.topk`` is as cheap)."""
+    rows, vocab = logits.shape
+    return logits.is_cpu and rows > 0 and vocab // BLOCK > k
+
+
+def host_topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``topk_logprobs`` of CPU logits with more than k blocks a row, as
+    arrays."""
     # Compiled loops load with the first call: importing numba where no
     # engine of ours runs would trip vLLM's CPU build (patch cpu.kernel_scan_vars).
     from vllm_plugins.topk_blocks import gather_rows, topk_rows, topk_rows_gathered
 
-    logits = logits.contiguous()
-    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
-    fill = rows < PARALLEL_ROWS or torch.get_num_threads() == 1
-    buf = chunk_buffer(min(per, rows), vocab)
+    rows, vocab = logits.shape
+    threads = torch.get_num_threads()
+    per = max(CHUNK_BYTES // (4 * vocab), threads, 1)
+    fill = rows < PARALLEL_ROWS or threads == 1
     ids = np.empty((rows, k), dtype=np.int64)
     lps = np.empty((rows, k), dtype=np.float32)
+    half = logits.dtype != torch.float32
     for start in range(0, rows, per):
         stop = min(start + per, rows)
-        chunk, x = (buf, logits) if stop - start == rows else (buf[:stop - start], logits[start:stop])
+        chunk, chunk_np = chunk_buffer(stop - start, vocab)
+        x = logits if stop - start == rows else logits[start:stop]
         out_ids, out_lps = ids[start:stop], lps[start:stop]
-        if x.dtype == torch.float32:
-            torch.log_softmax(x, -1, out=chunk)
-            topk_rows_gathered(x.numpy(), block_maxima(x, fill), fill, chunk.numpy(),
-                               k, out_ids, out_lps)
-        else:
+        if half:
             # The same values in float32, converted into the buffer, where
             # log_softmax then runs in place (CPU's kernel reads each row
             # whole before writing it) once the ids are taken.
-            values = chunk.copy_(x).numpy()
-            topk_rows(values, block_maxima(chunk, fill), fill, k, out_ids)
+            chunk.copy_(x)
+            topk_rows(chunk_np, block_maxima(chunk, fill), fill, k, out_ids)
             torch.log_softmax(chunk, -1, out=chunk)
-            gather_rows(values, out_ids, out_lps)
-    return torch.from_numpy(lps), torch.from_numpy(ids)
+            gather_rows(chunk_np, out_ids, out_lps)
+            continue
+        x_np = x.numpy()
+        if not x_np.flags.c_contiguous:
+            x = x.contiguous()
+            x_np = x.numpy()
+        torch.log_softmax(x, -1, out=chunk)
+        topk_rows_gathered(x_np, block_maxima(x, fill), fill, chunk_np, k, out_ids, out_lps)
+    return lps, ids
 
 
 def block_maxima(x: torch.Tensor, fill: bool) -> np.ndarray:
-    """Room for the compiled loop's block maxima when it fills them, else
-    torch's."""
+    """Torch's block maxima where its threads share them, else nothing:
+    the compiled loop makes its own."""
+    if fill:
+        return _NO_MAXIMA
     rows, vocab = x.shape
     blocks = vocab // BLOCK
-    if fill:
-        return np.empty((rows, blocks), dtype=np.float32)
     return x[:, :blocks * BLOCK].view(rows, blocks, BLOCK).amax(2).numpy()
 
 
-def chunk_buffer(rows: int, vocab: int) -> torch.Tensor:
-    """A [rows, vocab] float32 view of this thread's kept buffer, grown
-    when a call needs more."""
+def chunk_buffer(rows: int, vocab: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A [rows, vocab] float32 view of this thread's kept buffer, as a
+    tensor and as an array; grown when a call needs more."""
     kept = getattr(_kept, "buffer", None)
+    views = getattr(_kept, "views", None)
     if kept is None or kept.numel() < rows * vocab:
         # A normal tensor, even when allocated in an engine step: one made
         # under inference mode could not be written outside it (a process
         # that also calls this outside an engine: tests, benchmarks).
         with torch.inference_mode(False):
             kept = _kept.buffer = torch.empty(rows * vocab, dtype=torch.float32)
-    return kept[:rows * vocab].view(rows, vocab)
+    if views is None or views[0] is not kept:
+        views = _kept.views = (kept, {})
+    view = views[1].get((rows, vocab))
+    if view is None:
+        with torch.inference_mode(False):
+            tensor = kept[:rows * vocab].view(rows, vocab)
+        view = views[1][rows, vocab] = (tensor, tensor.numpy())
+    return view

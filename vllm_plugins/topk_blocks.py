@@ -75,16 +75,21 @@ def _row_topk(row, maxima, k, best_values, best_blocks, values, out):
 def topk_rows(logits, maxima, fill, k, ids):
     """The ids of the k largest logits of every row into ``ids``, largest
     first (more than k blocks a row): a block whose maximum is not among
-    the k largest maxima holds none of them. The block ``maxima`` are
-    computed here when ``fill``, else taken as given."""
+    the k largest maxima holds none of them. The block maxima are made
+    here when ``fill``, else taken from ``maxima``."""
+    rows, vocab = logits.shape
+    own = np.empty(vocab // BLOCK, np.float32)
     lanes = np.empty(LANES, np.float32)
     best_values = np.empty(k, np.float32)
     best_blocks = np.empty(k, np.int64)
     values = np.empty(k, np.float32)
-    for r in range(logits.shape[0]):
+    for r in range(rows):
         if fill:
-            _block_maxima(logits[r], maxima[r], lanes)
-        _row_topk(logits[r], maxima[r], k, best_values, best_blocks, values, ids[r])
+            _block_maxima(logits[r], own, lanes)
+            row_maxima = own
+        else:
+            row_maxima = maxima[r]
+        _row_topk(logits[r], row_maxima, k, best_values, best_blocks, values, ids[r])
 
 
 @cached_njit

@@ -18,7 +18,7 @@ from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.groups import group_of
 from vllm_plugins.bridge.state import RunnerState, TopkStash
 from vllm_plugins.step_context import Drafts, RequestStep, StepContext
-from vllm_plugins.topk import topk_logprobs
+from vllm_plugins.topk import topk_logprobs_numpy
 
 logger = logging.getLogger("vllm_plugins")
 
@@ -29,7 +29,11 @@ def verifies_nothing(spec_decode_metadata) -> bool:
 
 
 def stash_topk(state: RunnerState, logits: torch.Tensor, spec_decode_metadata) -> None:
-    """The target's top-k per verified row, for the next proposal to learn from."""
+    """The target's top-k per verified row, for the next proposal to learn from.
+
+    No ``torch.no_grad`` here: ``GPUModelRunner.sample_tokens``, which calls
+    ``_sample``, runs under inference mode already, and entering the context
+    costs tens of microseconds after a forward has evicted its code."""
     k = state.proposer.topk_wanted()
     draft_ids = None
     if spec_decode_metadata is not None:
@@ -42,10 +46,7 @@ def stash_topk(state: RunnerState, logits: torch.Tensor, spec_decode_metadata) -
     ids = lps = None
     start = time.perf_counter()
     if k > 0:
-        with torch.no_grad():
-            lps, idx = topk_logprobs(logits, k)
-        ids = idx.cpu().numpy().astype(np.int64)
-        lps = lps.cpu().numpy()
+        lps, ids = topk_logprobs_numpy(logits, k)
     seconds = time.perf_counter() - start if k > 0 else 0.0
     state.topk = TopkStash(num_draft, draft_ids, ids, lps, seconds)
 
