@@ -138,6 +138,17 @@ class AcceptanceEstimator:
             return a["acc_s"][rows], a["acc_n"][rows]
         return self._window_counts(rows)
 
+    def kernel_state(self) -> tuple:
+        """Its arrays and constants in the order the controller's compiled
+        step takes them (``controller_kernels.learn_step``); the slot arrays
+        among them are replaced when the slots grow."""
+        a = self.slots.arrays
+        ewma = self.mode == "ewma"
+        return (a["acc_s"] if ewma else self._no_counts, a["acc_n"] if ewma else self._no_counts,
+                a["win_n"], a["win_m"], a["win_pos"], self._glob, self._gps, self._gpn,
+                self.depth, self._gdecay, float(self.prior_acceptance), self.decay, ewma,
+                float(self.change_threshold), float(self.prior_strength), EPS)
+
     def probs(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), max_draft] conditional acceptance per position."""
         a = self.slots.arrays

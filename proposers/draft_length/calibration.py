@@ -93,6 +93,13 @@ class ConfidenceCalibrator:
                    np.asarray(ex, np.float64), self.gs, self.gn, self.gps, self.gpn,
                    a["cal_s"], a["cal_e"], self._STRENGTH, self._gdecay, self.decay)
 
+    def kernel_state(self) -> tuple:
+        """Its tables in the order the controller's compiled step takes them
+        (``controller_kernels.learn_step``)."""
+        a = self.slots.arrays
+        return (a["conf_kept"], self.gs, self.gn, self.gps, self.gpn, a["cal_s"], a["cal_e"],
+                self._STRENGTH, self._gdecay, self.decay)
+
     def calibrate_at(self, rows: np.ndarray, j: np.ndarray, conf: np.ndarray) -> np.ndarray:
         """Calibrated probabilities of single drafts: slot row, position
         (0-based; a tree node's depth - 1) and raw confidence per entry."""
@@ -146,8 +153,11 @@ class OutcomeCalibrator:
         q = np.asarray(q, np.float64)
         b = np.searchsorted(self.EDGES, q)
         nb = len(self.s)
-        self.s = self._decay * self.s + np.bincount(b, weights=x, minlength=nb)
-        self.e = self._decay * self.e + np.bincount(b, weights=q, minlength=nb)
+        # In place: the prefix calibration's compiled step holds the arrays.
+        self.s *= self._decay
+        self.s += np.bincount(b, weights=x, minlength=nb)
+        self.e *= self._decay
+        self.e += np.bincount(b, weights=q, minlength=nb)
 
     def table(self) -> list[float]:
         k = self._STRENGTH
@@ -175,6 +185,11 @@ class PrefixCalibrator(OutcomeCalibrator):
         self.slots = slots
         self.depth = max_draft
         slots.add("q_used", (max_draft,), np.float64, np.nan)
+
+    def kernel_state(self) -> tuple:
+        """Its arrays in the order the controller's compiled step takes them
+        (``controller_kernels.learn_step``)."""
+        return self.slots.arrays["q_used"], self.EDGES, self.s, self.e, self._decay
 
     def apply(self, q: np.ndarray) -> np.ndarray:
         q = np.ascontiguousarray(q, np.float64)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_plugins.proposers.draft_length.calibration_kernels import (learn_kept, learn_prefix,
+                                                                    remember_kept,
+                                                                    remember_prefix)
+from vllm_plugins.proposers.draft_length.estimator_kernels import learn_rows, probs_rows
 from vllm_plugins.proposers.jit import cached_njit
 
 
@@ -148,3 +152,77 @@ def count_decisions(lengths, keep, bound, hist):
             zeros += 1
         hist[k] += 1
     return no_draft, decisions, zeros, decisions > 0
+
+
+@cached_njit
+def learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, slot, est,
+               prefix, cal, extra):
+    """A step's learning in one call: ``step_outcomes`` into ``outcomes``
+    (n, m, peek_at, hit), then the prefix calibration (``prefix``, None:
+    off), the estimator (``est``), the confidence calibration (``cal``,
+    None: off; ``extra``: outcomes read elsewhere, as ``learn_outcomes``
+    takes them). With ``foresee``, ``foreseen`` gets each observed cut
+    draft's acceptance as the estimate gave it before this step. The
+    tuples are ``EstimatingController._kernel_state``'s. Returns (cut
+    drafts observed, rows the change detector reset)."""
+    cut_token, cut_at, probing, probe_level = slot
+    n, m, peek_at, hit = outcomes[0], outcomes[1], outcomes[2], outcomes[3]
+    peeks = step_outcomes(rows, info, trees, cut_token, cut_at, observe_cut, probing,
+                          probe_level, n, m, peek_at, hit)
+    (acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior, decay, ewma,
+     threshold, strength, eps) = est
+    if foresee and peeks:
+        rate = (glob[0] + prior) / (glob[1] + 1.0)
+        for i in range(len(rows)):
+            if peek_at[i] >= 0:
+                p = probs_rows(rows[i:i + 1], acc_s, acc_n, win_n, win_m, ewma, rate, gps, gpn,
+                               strength, eps)
+                foreseen[i] = p[0, min(max(peek_at[i], 0), depth - 1)]
+    if prefix is not None:
+        q_used, edges, ps, pe, pdecay = prefix
+        learn_prefix(rows, n, m, q_used, edges, ps, pe, pdecay)
+    changes = learn_rows(rows, n, m, depth, acc_s, acc_n, win_n, win_m, win_pos, glob, gps,
+                         gpn, gdecay, prior, decay, ewma, threshold)
+    if cal is not None:
+        conf_kept, gs, gn, cps, cpn, cal_s, cal_e, cstrength, cgdecay, cdecay = cal
+        er, ej, ec, ex = extra
+        learn_kept(rows, n, m, conf_kept, er, ej, ec, ex, gs, gn, cps, cpn, cal_s, cal_e,
+                   cstrength, cgdecay, cdecay)
+    return peeks, changes
+
+
+@cached_njit
+def bound_step(rows, est, threshold, zero_streak, probe_level, gap, max_backoff, conf_seen,
+               max_draft):
+    """(each row's acceptance estimates, its ``length_bounds``) in one call."""
+    (acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior, decay, ewma,
+     change_threshold, strength, eps) = est
+    rate = (glob[0] + prior) / (glob[1] + 1.0)
+    probs = probs_rows(rows, acc_s, acc_n, win_n, win_m, ewma, rate, gps, gpn, strength, eps)
+    return probs, length_bounds(rows, probs, threshold, zero_streak, probe_level, gap,
+                                max_backoff, conf_seen, max_draft)
+
+
+@cached_njit
+def settle_step(rows, lengths, keep, bound, observe_cut, stochastic, gap, max_backoff, slot,
+                out, q_used, q_raw, cal, conf):
+    """``settle`` into ``out`` (kept, upto, cut rows), then what the next
+    step's outcomes are matched with: the prefix probabilities ``q_raw``
+    up to ``upto`` into ``q_used`` (None: not kept), the kept confidences
+    (``cal``: the confidence calibration's slot arrays, None: off; ``conf``
+    empty: none given, stored as NaN). Returns (probes, cut drafts)."""
+    zero_streak, probe_level, probing, cut_at = slot
+    kept, upto, cut_rows = out[0], out[1], out[2]
+    probes, cuts = settle(rows, lengths, keep, bound, observe_cut, stochastic, zero_streak,
+                          probe_level, probing, gap, max_backoff, cut_at, kept, upto, cut_rows)
+    if q_used is not None:
+        remember_prefix(rows, q_raw, upto, q_used)
+    if cal is not None:
+        conf_kept, conf_seen = cal
+        if conf.shape[0] > 0:
+            remember_kept(rows, conf, upto, conf_kept, conf_seen)
+        else:
+            for i in range(len(rows)):
+                for j in range(conf_kept.shape[1]):
+                    conf_kept[rows[i], j] = np.nan
+    return probes, cuts

@@ -27,9 +27,8 @@ from vllm_plugins.proposers.draft_length.acceptance import (ESTIMATOR_OPTIONS, A
                                                            clip)
 from vllm_plugins.proposers.draft_length.calibration import (
     CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator, prefix_probabilities)
-from vllm_plugins.proposers.draft_length.controller_kernels import (count_decisions,
-                                                                   length_bounds, settle,
-                                                                   step_outcomes)
+from vllm_plugins.proposers.draft_length.controller_kernels import (bound_step, count_decisions,
+                                                                   learn_step, settle_step)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 if TYPE_CHECKING:  # duck-typed at run time; no import cost, no cycle
@@ -180,6 +179,11 @@ class DraftLengthController:
 
 
 _NO_FLAGS = np.zeros(0, np.bool_)
+_NO_VALUES = np.zeros(0)
+_NO_MATRIX = np.zeros((0, 0))
+# Outcomes read elsewhere (tree nodes): row, position, confidence, outcome.
+_EXTRA_TYPES = (np.int64, np.int64, np.float64, np.float64)
+_NO_EXTRA = tuple(np.zeros(0, t) for t in _EXTRA_TYPES)
 
 
 def trim(drafts: Drafts, keep: list[int]) -> Drafts:
@@ -233,6 +237,7 @@ class EstimatingController(DraftLengthController):
         self.prefix = (PrefixCalibrator(self.slots, max_draft)
                        if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
+        self._state_capacity = -1   # _kernel_state
         # Row k: the first k of max_draft drafts (``valid`` for a row of k).
         self._prefixes = np.arange(max_draft)[None, :] < np.arange(max_draft + 1)[:, None]
 
@@ -257,21 +262,21 @@ class EstimatingController(DraftLengthController):
         # nothing; the policy reads them node by node (``extra``: their
         # node outcomes for the confidence calibration).
         trees, extra = self._learn_trees(ctx, rows)
+        slot, est, prefix, cal, _, _ = self._kernel_state()
         outcomes = np.empty((4, len(reqs)), np.int64)
-        n, m, peek_at, hit = outcomes
-        a = self.slots.arrays
-        peeks = step_outcomes(rows, info, _NO_FLAGS if trees is None else trees,
-                              a["cut_token"], a["cut_at"], self.observe_cut, a["probing"],
-                              a["probe_level"], n, m, peek_at, hit)
+        foreseen = np.empty(len(reqs)) if self.counting_free else _NO_VALUES
+        if extra is not None:
+            extra = tuple(np.asarray(x, t) for x, t in zip(extra, _EXTRA_TYPES))
+        peeks, changes = learn_step(
+            rows, info, _NO_FLAGS if trees is None else trees, self.observe_cut,
+            self.counting_free, outcomes, foreseen, slot, est, prefix, cal,
+            _NO_EXTRA if extra is None else extra)
+        self.estimator.changes += changes
         if peeks:
             self.cut_observed += peeks
             if self.counting_free:
-                self._free_cut_outcomes(rows, peek_at, hit)
-        if self.prefix is not None:
-            self.prefix.observe(rows, n, m)
-        self.estimator.observe(rows, n, m)
-        if self.calibrator is not None:
-            self.calibrator.observe(rows, n, m, extra)
+                peek = outcomes[2] >= 0
+                self._free_outcome(outcomes[3, peek] > 0, foreseen[peek])
         return observation
 
     def _learn_trees(self, ctx: StepContext, rows: np.ndarray):
@@ -287,35 +292,13 @@ class EstimatingController(DraftLengthController):
         rows = observation.rows
         if rows is None:
             return
-        probs = observation.probs = self.estimator.probs(rows)
         a = self.slots.arrays
         # Confidences only arrive with the drafts: no bound for rows given them.
-        bound = length_bounds(rows, probs, float(self._length_threshold(observation)),
-                              a["zero_streak"], a["probe_level"], self._probe_gap(),
-                              self._MAX_BACKOFF,
-                              _NO_FLAGS if self.calibrator is None else a["conf_seen"],
-                              self.max_draft)
+        observation.probs, bound = bound_step(
+            rows, self._kernel_state()[1], float(self._length_threshold(observation)),
+            a["zero_streak"], a["probe_level"], self._probe_gap(), self._MAX_BACKOFF,
+            _NO_FLAGS if self.calibrator is None else a["conf_seen"], self.max_draft)
         observation.bounds = dict(zip((r.req_id for r in ctx.requests), bound.tolist()))
-
-    def _free_cut_outcomes(self, rows: np.ndarray, peek_at: np.ndarray, hit: np.ndarray
-                           ) -> None:
-        """The first cut drafts observed for free (``step_outcomes``), counted
-        against what the estimate foresaw for them before learning.
-
-        When every kept draft was accepted, the target sampled its own token
-        at the cut draft's position. For a deterministic draft token x,
-        vLLM's rejection sampler accepts with probability p_target(x), and
-        the sampled token equals x with the same probability, so
-        [sampled == x] is an exact draw of "the cut draft would have been
-        accepted" (greedy: exactly its outcome). Without it, a position the
-        controller cuts is never observed again and an under-estimate there
-        cannot correct itself; with it, even a request kept at k = 0 learns
-        its first-draft acceptance every step.
-        """
-        peek = peek_at >= 0
-        at = clip(peek_at[peek], 0, self.max_draft - 1)
-        self._free_outcome(hit[peek] > 0,
-                           self.estimator.probs(rows[peek])[np.arange(len(at)), at])
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
         p = clip(np.asarray(foreseen, np.float64), 0.0, 1.0)
@@ -359,36 +342,52 @@ class EstimatingController(DraftLengthController):
                 ) -> np.ndarray:
         """Probes, then what the next step's outcomes are matched with: the
         first cut draft, the kept prefixes' probabilities and confidences.
-        Returns the kept lengths (``controller_kernels.settle``).
+        Returns the kept lengths (``controller_kernels.settle_step``).
 
         After ``probe_interval`` consecutive zeros a row keeps one token, to
         re-learn; a failed probe doubles the interval (once: up to 2x), an
         accepted probe, or a non-zero choice, resets it. A row whose first
-        cut draft the next step observes (``_cut_observable``) learns
-        without verifying it and is not probed; nor is one ``max_length``
-        gave 0 (``bound``), which counts as a zero choice.
+        cut draft the next step observes (deterministic drafts, with
+        ``observe_cut``; ``_stochastic_rows``) learns without verifying it
+        and is not probed; nor is one ``max_length`` gave 0 (``bound``),
+        which counts as a zero choice.
         """
-        a = self.slots.arrays
-        size = len(lengths)
-        out = np.empty((3, size), np.int64)
-        kept, upto, cut_rows = out
-        probes, cuts = settle(rows, lengths, np.asarray(keep, np.int64), bound,
-                              self.observe_cut and q_raw is not None,
-                              self._stochastic_rows(drafts, size), a["zero_streak"],
-                              a["probe_level"], a["probing"], self._probe_gap(),
-                              self._MAX_BACKOFF, a["cut_at"], kept, upto, cut_rows)
+        _, _, _, _, slot, cal = self._kernel_state()
+        out = np.empty((3, len(lengths)), np.int64)
+        remember = self.prefix is not None and q_raw is not None
+        probes, cuts = settle_step(
+            rows, lengths, np.asarray(keep, np.int64), bound,
+            self.observe_cut and q_raw is not None, self._stochastic_rows(drafts, len(lengths)),
+            self._probe_gap(), self._MAX_BACKOFF, slot, out,
+            self.slots.arrays["q_used"] if remember else None,
+            q_raw if remember else _NO_MATRIX, cal, _NO_MATRIX if conf is None else conf)
         self.probes += probes
-        if q_raw is None:
-            if self.calibrator is not None:
-                self.calibrator.remember(rows, None, kept)
-            return kept
-        for i in cut_rows[:cuts].tolist():
-            a["cut_token"][rows[i]] = int(drafts.tokens[i][kept[i]])
-        if self.prefix is not None:
-            self.prefix.remember(rows, q_raw, upto)
-        if self.calibrator is not None:
-            self.calibrator.remember(rows, conf, kept, upto)
+        kept = out[0]
+        if cuts:
+            cut_token = self.slots.arrays["cut_token"]
+            for i in out[2, :cuts].tolist():
+                cut_token[rows[i]] = int(drafts.tokens[i][kept[i]])
         return kept
+
+    def _kernel_state(self) -> tuple:
+        """The slot arrays and the estimator's and calibrations' state as
+        the compiled steps take them (``controller_kernels``): for learning
+        (cut draft and probe slots, estimator, prefix calibration,
+        confidence calibration) and for settling (probe and cut slots, kept
+        confidences). Rebuilt when the slots grow, which replaces their
+        arrays."""
+        if self._state_capacity != self.slots.capacity:
+            a = self.slots.arrays
+            cal = self.calibrator
+            self._state = (
+                (a["cut_token"], a["cut_at"], a["probing"], a["probe_level"]),
+                self.estimator.kernel_state(),
+                None if self.prefix is None else self.prefix.kernel_state(),
+                None if cal is None else cal.kernel_state(),
+                (a["zero_streak"], a["probe_level"], a["probing"], a["cut_at"]),
+                None if cal is None else (a["conf_kept"], a["conf_seen"]))
+            self._state_capacity = self.slots.capacity
+        return self._state
 
     def _choose(self, lengths: np.ndarray, q: np.ndarray, valid: np.ndarray,
                 observation: Observation) -> np.ndarray:
