@@ -130,11 +130,14 @@ class StepCostModel:
         self._pos = (self._pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
         self.num_observed += 1
-        self._dirty = True
+        # A refit is due: every observation until warm, then every few.
+        self._dirty = (not self._warm
+                       or self.num_observed - self._fitted_at >= self._REFIT_EVERY)
 
     @property
     def warm(self) -> bool:
-        self._refit()
+        if self._dirty:
+            self._refit()
         return self._warm
 
     def needs_idle_step(self) -> bool:
@@ -155,7 +158,8 @@ class StepCostModel:
         """(intercept, slope) of t(tokens) for a step of ``batch`` requests
         over ``context_now`` committed tokens that verifies no draft; one
         that does costs ``verify_step_s`` more."""
-        self._refit()
+        if self._dirty:
+            self._refit()
         a, b, c, d = self._coef
         return a + c * batch + d * self.context_now, b
 
@@ -177,8 +181,6 @@ class StepCostModel:
 
     def _refit(self) -> None:
         if not self._dirty:
-            return
-        if self._warm and self.num_observed - self._fitted_at < self._REFIT_EVERY:
             return
         self._dirty = False
         self._fitted_at = self.num_observed
