@@ -309,7 +309,7 @@ class EstimatingController(DraftLengthController):
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
               observation: Observation, bound: np.ndarray) -> np.ndarray:
         rows = self._rows(ctx, lengths, observation)
-        width = int(lengths.max())
+        width = max(lengths.tolist())   # a few rows: cheaper than numpy's reduction
         if width == 0:   # nothing offered (e.g. max_length said 0 to all)
             return self._settle(rows, drafts, lengths, np.zeros(len(lengths), np.int64),
                                 bound, None, None)
