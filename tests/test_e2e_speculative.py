@@ -2,6 +2,7 @@
 
 import pytest
 
+from tests.attention_routes import tree_routes
 from tests.conftest import shutdown
 
 # One worker runs this module and tests/test_layer_skip_e2e.py, which runs
@@ -68,6 +69,9 @@ def test_batch1_greedy_identical(base, spec, prompts):
         assert got[0].token_ids == _BASE[key][:n]
     stats = engine_stats(spec)
     assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
+    # A chain method's engine keeps vLLM's attention: no tree route per layer.
+    layers, routed = spec.collective_rpc(tree_routes)[0]
+    assert layers > 0 and routed == 0
     if getattr(spec, "goodput", False):
         # Our own work per awake step (the bridge's top-k, the proposer) is
         # timed apart from the engine's step ...

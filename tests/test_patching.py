@@ -83,3 +83,34 @@ def test_added_attributes_must_be_ours_and_targets_must_exist(target):
                      adds=True)])
     with pytest.raises(RuntimeError, match="missing from this vLLM"):
         apply([Patch("t.gone", "vp_patch_target:Thing.gone", "", "pin", doubling)])
+
+
+def test_a_per_instance_patch_reaches_only_the_objects_it_is_put_on(target):
+    from vllm_plugins.bridge.patching import apply_to, applied_to, rebuild
+
+    patch = Patch("t.each", "vp_patch_target:Thing.run", "", "pin", doubling,
+                  per_instance=True)
+    run = target.Thing.run
+    assert apply([patch]) == ["t.each"] and patch.is_applied()
+    assert apply([patch]) == []
+    assert target.Thing.run is run          # the class keeps vLLM's method
+    chosen, other = target.Thing(), target.Thing()
+    assert apply_to(patch, chosen) and not apply_to(patch, chosen)
+    assert applied_to(patch, chosen) and not applied_to(patch, other)
+    assert chosen.run(1) == 4 and other.run(1) == 2
+    undo = rebuild(patch, lambda fn: lambda self, x: fn(self, x) + 100)
+    later = target.Thing()
+    apply_to(patch, later)
+    assert later.run(1) == 104 and chosen.run(1) == 4
+    undo()
+    assert patch.replacement()(later, 1) == 4
+    with pytest.raises(TypeError, match="Thing objects"):
+        apply_to(patch, object())
+    own = type("Own", (target.Thing,), {"run": lambda self, x: x})
+    with pytest.raises(TypeError, match="Own overrides run"):
+        apply_to(patch, own())
+    # A class built again (a reloaded module) needs the patch built again.
+    target.Thing = type("Thing", (), {"run": lambda self, x: x + 1})
+    assert not patch.is_applied()
+    with pytest.raises(RuntimeError, match="not an applied per-instance patch"):
+        apply_to(patch, target.Thing())

@@ -257,6 +257,55 @@ def test_attention_reads_the_plan_of_the_forward_running_now():
                     ("vllm", "outside"), ("vllm", "a"), ("vllm", "a")]
 
 
+def test_attention_layers_get_the_tree_route_at_the_first_tree_step_only():
+    """vLLM's attention stays as it is (no wrapper of ours per layer) in a
+    runner until it verifies its first tree, and in every other runner."""
+    import vllm_plugins.bridge as bridge
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_plugins.bridge.patching import MARK, applied_to
+    from vllm_plugins.bridge.patches import named
+    from vllm_plugins.bridge.state import attach
+    from vllm_plugins.bridge.v1 import runner as bridge_runner
+
+    bridge.install()
+    patch = named("tree.cpu_attention")
+    assert not hasattr(CPUAttentionBackendImpl.forward, MARK)
+
+    def fake_runner():
+        impls = [object.__new__(CPUAttentionBackendImpl) for _ in range(3)]
+        model = torch.nn.Module()
+        for i, impl in enumerate(impls):
+            layer = torch.nn.Module()
+            layer.impl = impl
+            model.add_module(f"layer{i}", layer)
+        batch = SimpleNamespace(
+            req_ids=["r0"], num_computed_tokens_cpu=np.array([4]),
+            block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(
+                gpu=torch.arange(8)))])
+        return SimpleNamespace(input_batch=batch, positions=torch.arange(8),
+                               get_model=lambda: model), impls
+
+    tree_runner, tree_impls = fake_runner()
+    chain_runner, chain_impls = fake_runner()
+    state = attach(tree_runner, proposer=object())
+    attach(chain_runner, proposer=object())
+    prepare = bridge_runner.wrap_prepare_inputs(lambda runner, out, n: None)
+    sched = SimpleNamespace(total_num_scheduled_tokens=1, scheduled_spec_decode_tokens={})
+    plan = object()
+    with mock.patch.object(tree_step, "plan", lambda *a: plan), \
+            mock.patch.object(tree_step, "depth_positions", lambda *a: None):
+        for _ in range(3):  # chain steps
+            prepare(tree_runner, sched, np.array([1]))
+            prepare(chain_runner, sched, np.array([1]))
+        assert not any(applied_to(patch, i) for i in tree_impls + chain_impls)
+        state.trees = {"r0": object()}  # a tree was drafted: the next step verifies it
+        prepare(tree_runner, sched, np.array([1]))
+        assert state.tree_step is plan
+        assert all(applied_to(patch, i) for i in tree_impls)
+        assert all("forward" not in vars(i) for i in chain_impls)
+
+
 def test_kv_move_puts_the_accepted_path_at_chain_slots():
     block_size, num_blocks, kv_heads, dim = 4, 32, 2, 8
     plan, _, tables, num_sched, num_comp = make_plan(

@@ -26,6 +26,7 @@ import os
 import numpy as np
 import pytest
 
+from tests.attention_routes import tree_routes
 from tests.conftest import shutdown
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.step_context import Drafts
@@ -192,8 +193,10 @@ def run_oracle_engine(tiny_model: str, oracle: str, prompt_ids, batch4, out: str
     llm = engine(tiny_model, {"method": "tree_oracle_test", "num_speculative_tokens": NODES,
                               "draft_length": "fixed"})
     try:
+        routes = {"at start": llm.collective_rpc(tree_routes)[0]}
         first, _ = requests(prompt_ids)
         got4 = generate(llm, first)
+        routes["after trees"] = llm.collective_rpc(tree_routes)[0]
         got1 = [generate(llm, [r])[0] for r in first[:2]]
         _, second = requests(prompt_ids, batch4)
         cached: list[int] = []
@@ -204,7 +207,7 @@ def run_oracle_engine(tiny_model: str, oracle: str, prompt_ids, batch4, out: str
         shutdown(llm)
     with open(out, "w") as f:
         json.dump({"got4": got4, "got1": got1, "wave2": wave2, "cached": cached,
-                   "stats": stats, "seeded": seeded}, f)
+                   "stats": stats, "seeded": seeded, "routes": routes}, f)
 
 
 def seeded_runs(llm, prompt_ids):
@@ -276,6 +279,11 @@ def test_greedy_tree_output_is_plain_decoding(reference, oracle_run):
     # skipped) and steps beside chain requests (batch 4).
     assert 0 < stats["tree_only_steps"] < stats["tree_steps"], stats
     assert stats["accepted"] > 0, stats
+    # vLLM's attention layers carry our tree route from the first tree step
+    # on, every one of them, and not before.
+    layers, routed = result["routes"]["after trees"]
+    assert layers > 0 and routed == layers, result["routes"]
+    assert result["routes"]["at start"] == [layers, 0], result["routes"]
     for i, (g, w) in enumerate(zip(got4, reference["batch4"])):
         assert g == w, ("batch 4", i)
     for i, (g, w) in enumerate(zip(got1, reference["batch1"])):

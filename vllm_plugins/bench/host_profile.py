@@ -205,13 +205,16 @@ class Profile:
         if not patch.is_applied():
             raise RuntimeError(f"host-profile: patch {name!r} is not applied "
                                f"({patch.target})")
-        owner, attr = patch.owner_and_attr()
-        wrapper = patch.current()
-        cell = original_cell(wrapper)
+        cell = original_cell(patch.replacement())
         original = cell.cell_contents
         cell.cell_contents = self.timed(VLLM, original)
         self._undo.append(lambda: setattr(cell, "cell_contents", original))
-        self._wrap_attribute(BRIDGE, owner, attr)
+        if patch.per_instance:   # timed on the objects it goes onto from now on
+            from vllm_plugins.bridge.patching import rebuild
+
+            self._undo.append(rebuild(patch, lambda fn: self.timed(BRIDGE, fn)))
+        else:
+            self._wrap_attribute(BRIDGE, *patch.owner_and_attr())
 
 
 def resolve(target: str):

@@ -115,9 +115,11 @@ PATCHES: tuple[Patch, ...] = (
           "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
           "in a step verifying tree drafts, tree requests attend by ancestry "
           "(kernels.tree_attention) and vLLM's forward runs on the other "
-          "requests alone, so no row is computed twice",
+          "requests alone, so no row is computed twice; put on a runner's "
+          "attention layers at its first tree step, so that no other engine "
+          "pays for it",
           _PINS + "test_cpu_attention_forward_reads_a_cache_vllm_wrote",
-          runner.wrap_cpu_attention),
+          runner.wrap_cpu_attention, per_instance=True),
     Patch("worker.stats", "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_stats",
           "collective_rpc target: step counters and proposer metrics",
           _PINS + "test_custom_class_route_and_worker_rpc",
@@ -294,6 +296,14 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.v1.worker.gpu.input_batch:InputBatch",
     _V2_RUNNER + ":GPUModelRunner.sample",
 )
+
+
+def named(name: str) -> Patch:
+    """The patch of ``PATCHES`` called ``name``."""
+    for patch in PATCHES:
+        if patch.name == name:
+            return patch
+    raise KeyError(f"the bridge has no patch {name!r}")
 
 
 def vllm_names() -> list[str]:

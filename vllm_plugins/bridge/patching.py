@@ -7,12 +7,19 @@ relies on, and builds the replacement from the original. ``apply``
 is idempotent per patch and refuses a second, different patch of the same
 attribute: two wrappers of one function are how plugins silently undo each
 other.
+
+A patch made ``per_instance`` leaves the class as vLLM wrote it: ``apply``
+checks the attribute and builds the replacement once, and the bridge puts
+it on the objects that need it (``apply_to``). What runs in every engine
+(an attention layer's forward, say) then costs nothing in the engines that
+never use it.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +28,9 @@ logger = logging.getLogger("vllm_plugins")
 # The attribute our replacements carry: the name of the patch that made them.
 MARK = "_vllm_plugins_patch"
 _MISSING = object()
+# Per-instance patches built by ``apply``: name -> (vLLM's attribute, the
+# replacement built from it).
+_BUILT: dict[str, tuple[Any, Any]] = {}
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,9 @@ class Patch:
     when: Callable[[], bool] | None = None
     # True: the attribute is ours alone; vLLM must not define it.
     adds: bool = False
+    # True: the class keeps vLLM's attribute; ``apply_to`` replaces it on
+    # chosen instances only.
+    per_instance: bool = False
 
     @property
     def module(self) -> str:
@@ -60,8 +73,17 @@ class Patch:
                 return vars(klass)[attr]
         return _MISSING
 
+    def replacement(self) -> Any:
+        """What the patch puts in place of vLLM's attribute: the class's
+        attribute, or a per-instance patch's function (``_MISSING`` until
+        ``apply`` built it from the class's attribute as it is now)."""
+        if not self.per_instance:
+            return self.current()
+        original, replacement = _BUILT.get(self.name, (_MISSING, _MISSING))
+        return replacement if original is self.current() else _MISSING
+
     def is_applied(self) -> bool:
-        return _mark_of(self.current()) == self.name
+        return _mark_of(self.replacement()) == self.name
 
 
 def _mark_of(value: Any) -> str | None:
@@ -94,12 +116,54 @@ def apply(patches: tuple[Patch, ...] | list[Patch]) -> list[str]:
         if not patch.adds and original is _MISSING:
             raise RuntimeError(f"{patch.target} is missing from this vLLM "
                                f"(patch '{patch.name}', pinned by {patch.pin})")
+        if patch.per_instance and patch.is_applied():
+            continue
         replacement = patch.build(None if patch.adds else original)
         fn = replacement.fget if isinstance(replacement, property) else replacement
         setattr(fn, MARK, patch.name)
-        owner, attr = patch.owner_and_attr()
-        setattr(owner, attr, replacement)
+        if patch.per_instance:
+            _BUILT[patch.name] = (original, replacement)
+        else:
+            owner, attr = patch.owner_and_attr()
+            setattr(owner, attr, replacement)
         logger.debug("vllm_plugins: patched %s (%s): %s", patch.target, patch.name,
                      patch.why)
         done.append(patch.name)
     return done
+
+
+def apply_to(patch: Patch, obj: Any) -> bool:
+    """Puts an applied per-instance patch's replacement on ``obj``, an
+    instance of its class, bound to it; returns whether ``obj`` lacked it."""
+    if not patch.per_instance or not patch.is_applied():
+        raise RuntimeError(f"patch '{patch.name}' is not an applied per-instance patch")
+    owner, attr = patch.owner_and_attr()
+    if not isinstance(obj, owner):
+        raise TypeError(f"patch '{patch.name}' applies to {owner.__qualname__} "
+                        f"objects, not {type(obj).__qualname__}")
+    if getattr(type(obj), attr) is not getattr(owner, attr):
+        # The replacement calls the class's attribute: it would drop the
+        # subclass's own.
+        raise TypeError(f"{type(obj).__qualname__} overrides {attr}, which patch "
+                        f"'{patch.name}' replaces on {owner.__qualname__} objects")
+    if applied_to(patch, obj):
+        return False
+    setattr(obj, attr, types.MethodType(patch.replacement(), obj))
+    return True
+
+
+def applied_to(patch: Patch, obj: Any) -> bool:
+    """Whether ``obj`` carries ``patch``'s replacement itself."""
+    _, attr = patch.owner_and_attr()
+    return _mark_of(vars(obj).get(attr)) == patch.name
+
+
+def rebuild(patch: Patch, wrap: Callable[[Any], Any]) -> Callable[[], None]:
+    """Replaces a per-instance patch's replacement with ``wrap(it)`` for the
+    objects it is applied to from now on (a profiler times it so); returns
+    the undo."""
+    original, before = _BUILT[patch.name]
+    after = wrap(before)
+    setattr(after, MARK, patch.name)
+    _BUILT[patch.name] = (original, after)
+    return lambda: _BUILT.__setitem__(patch.name, (original, before))

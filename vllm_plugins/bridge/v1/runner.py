@@ -157,6 +157,7 @@ def wrap_prepare_inputs(original):
             batch.block_table[0].slot_mapping.gpu[:total].cpu().numpy())
         state.tree_step = plan
         if plan is not None:
+            route_tree_attention(self, state)
             tree_step.depth_positions(plan, self.positions)
         return out
 
@@ -176,6 +177,27 @@ def wrap_model_forward(original):
         return original(self, *args, **kwargs)
 
     return _model_forward
+
+
+def route_tree_attention(runner, state) -> None:
+    """Puts the tree route (``wrap_cpu_attention``, patch
+    ``tree.cpu_attention``) on each of this runner's attention layers, once,
+    before its first tree step's forward. A plan exists only once a tree was
+    drafted, so an engine that never drafts one (chains, vLLM's own
+    drafters, plain decoding) keeps vLLM's attention untouched, at no cost
+    per layer."""
+    if state.tree_attention_routed:
+        return
+    from vllm_plugins.bridge.patches import named
+    from vllm_plugins.bridge.patching import apply_to
+
+    patch = named("tree.cpu_attention")
+    owner, _ = patch.owner_and_attr()
+    for module in runner.get_model().modules():
+        impl = getattr(module, "impl", None)
+        if isinstance(impl, owner):
+            apply_to(patch, impl)
+    state.tree_attention_routed = True
 
 
 def wrap_cpu_attention(original):
