@@ -199,3 +199,20 @@ def test_goodput_prices_each_step_at_its_requests_context():
     got = c.cost.coefficients()
     assert got["per_context_token_s"] == pytest.approx(0.00004, rel=0.05), got
     assert got["per_token_s"] == pytest.approx(0.007, rel=0.05), got
+
+
+def test_the_proposer_cost_bench_times_the_controller_on_synthetic_step_times():
+    """``proposer-cost --draft-length goodput --parts``: the controller's own
+    time is a part, and the steps' synthetic times make its decisions the
+    same on every run (what the bench compares across commits)."""
+    from vllm_plugins.bench import proposer_cost
+
+    args = proposer_cost.parse_args(["--steps", "40", "--warmup", "5", "--prompt", "40",
+                                     "--distinct", "20", "--output", "30", "--batch-sizes",
+                                     "1", "--draft-length", "goodput", "--flush-mb", "1",
+                                     "--parts"])
+    methods = {"token_recycling": proposer_cost.DEFAULT_METHODS["token_recycling"]}
+    first, again = (proposer_cost.run(methods, args.batch_sizes, args)[0] for _ in range(2))
+    assert first["parts_ms"]["controller"] > 0
+    assert first["nodes_per_step"] == again["nodes_per_step"]
+    assert first["accepted_per_step"] == again["accepted_per_step"]

@@ -14,16 +14,24 @@ batch stays full. The target accepts a draft as sampled decoding would
 the proposer its top-k at every verified row, as the bridge does.
 
 Times are the thread's CPU time (``time.thread_time``): on a shared host
-other work stretches wall time, not this. Every method runs with ``draft_length: "fixed"`` (a policy that reads step
-times would read none here), sees the same prompts, and the steps of the
-methods alternate
-(rotating which goes first), so load on the host hits all alike. Reported
-per method and batch size: the median and mean CPU milliseconds of
+other work stretches wall time, not this. Every method runs with
+``draft_length: "fixed"`` unless ``--draft-length`` names another policy;
+then each step carries a step time from a fixed cost line with seeded
+noise (a policy that reads step times has them, and decides the same way
+every run). Every method sees the same prompts, and the steps of the
+methods alternate (rotating which goes first), so load on the host hits
+all alike. ``--flush-mb`` writes that much memory before each step, as a
+forward does, so each step starts with cold caches. Reported per method
+and batch size: the median and mean CPU milliseconds of
 ``PluginProposer.step`` over the timed steps, drafted nodes and accepted
-tokens per step, and each method's median over the first's of the
-paired steps' times. ``--parts`` also times the hybrid's parts.
+tokens per step, and each method's median over the first's of the paired
+steps' times. ``--parts`` also times the hybrid's parts and the
+draft-length controller's.
 
     python -m vllm_plugins.bench proposer-cost --batch-sizes 1,16 --parts
+    # the goodput controller's own time at batch 1, caches cold:
+    python -m vllm_plugins.bench proposer-cost --methods token_recycling --batch-sizes 1 \
+        --draft-length goodput --flush-mb 64 --parts --steps 1500 --warmup 200
 """
 
 from __future__ import annotations
@@ -47,6 +55,9 @@ DEFAULT_METHODS = {
     "hybrid": {"method": "hybrid", "draft_length": "fixed"},
 }
 SUCCESSORS = 8
+# The synthetic step time under --draft-length: seconds = a + b * tokens +
+# c * requests, plus d on a step that verifies drafts, times (1 + 5% noise).
+STEP_COST = (0.020, 0.0012, 0.001, 0.002)
 
 
 class Target:
@@ -114,6 +125,8 @@ class Lane:
         self.nodes = self.accepted = self.steps = 0
         self.parts: dict[str, float] = {}
         self._timing = False
+        self.noise = np.random.default_rng(args.seed + 1)
+        self.flush = np.zeros((args.flush_mb << 20) // 8)
 
     def time_parts(self) -> None:
         """Time a hybrid's parts too: each source's ``learn``, ``propose``
@@ -125,6 +138,8 @@ class Lane:
             targets += [(p.merger, "merge_step", "merge_step"),
                         (p.merger, "outcomes_step", "outcomes_step"),
                         (p.calibrator, "learn", "calibration")]
+        if p.controller is not None:
+            targets += [(p.controller, m, "controller") for m in ("observe", "max_length", "shape")]
         for obj, name, label in targets:
             def timed(*a, _f=getattr(obj, name), _label=label, **k):
                 t0 = time.thread_time()
@@ -146,6 +161,22 @@ class Lane:
                 "verified": tok[-2:-1], "prompt": len(tok) - 1,
                 "params": SimpleNamespace(temperature=1.0, extra_args=None)}
 
+    def _step_times(self, reqs) -> dict:
+        """The step's times for a policy that reads them (``--draft-length``):
+        the previous step's seconds from ``STEP_COST``; fixed top-k,
+        proposer and engine times, so the policy decides the same way on
+        any host."""
+        if self.args.draft_length is None:
+            return {}
+        a, b, c, d = STEP_COST
+        tokens = sum(1 + int(r.num_draft) for r in reqs)
+        verifies = any(r.num_draft for r in reqs)
+        seconds = (a + b * tokens + c * len(reqs) + d * verifies) \
+            * (1.0 + 0.05 * self.noise.standard_normal())
+        return {"last_step_seconds": seconds, "last_step_tokens": tokens,
+                "last_propose_seconds": 0.0004, "last_topk_seconds": 0.0002,
+                "last_gap_seconds": 0.001}
+
     def step(self, timed: bool) -> None:
         k = max(self.p.topk_wanted(), 1)
         reqs = []
@@ -156,7 +187,9 @@ class Lane:
                 np.asarray(r["context"], np.int64), r["prompt"], len(r["verified"]) - 1,
                 np.asarray(r["verified"], np.int64), ids, lps, 1.0,
                 sampling_params=r["params"]))
-        ctx = self._StepContext(reqs, finished=self.finished, max_draft=self.p.max_draft)
+        ctx = self._StepContext(reqs, finished=self.finished, max_draft=self.p.max_draft,
+                                **self._step_times(reqs))
+        self.flush[::8] += 1.0   # every cache line: the caches go cold, as after a forward
         self._timing = timed
         t0 = time.thread_time()
         d = self.p.step(ctx)
@@ -194,6 +227,9 @@ class Lane:
 def run(methods: dict, batch_sizes, args) -> list[dict]:
     target = Target(args.vocab, args.distinct, args.seed)
     rows = []
+    if args.draft_length is not None:
+        methods = {name: {**spec, "draft_length": args.draft_length}
+                   for name, spec in methods.items()}
     for batch in batch_sizes:
         lanes = [Lane(name, build(spec, args.vocab), target, args, batch)
                  for name, spec in methods.items()]
@@ -240,7 +276,14 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--parts", action="store_true",
                    help="also time the hybrid's parts (sources, merge, outcomes, "
-                        "calibration): mean ms a step and share of its step")
+                        "calibration) and the draft-length controller: mean ms a step "
+                        "and share of its step")
+    p.add_argument("--draft-length", default=None, metavar="POLICY",
+                   help="every method under this draft-length policy (default: fixed), "
+                        "its steps timed by a synthetic cost line")
+    p.add_argument("--flush-mb", type=int, default=0,
+                   help="write this many MB before each step, so it starts with cold "
+                        "caches as after a forward (64 is more than this host's caches)")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     return p.parse_args(argv)
 
