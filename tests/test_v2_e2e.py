@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.v2_engines import CHOSEN_K_SPECS, STEP_K_SPECS, V1_METHODS, V2_METHODS
+from tests.v2_engines import (CHOSEN_K_SPECS, SAMPLED_N, STEP_K_SPECS, V1_METHODS,
+                              V2_METHODS)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,4 +164,64 @@ def test_draft_probabilities_reach_v2s_rejection_sampler_exactly(verified):
 
 def test_the_same_check_catches_rows_that_misstate_the_draft(verified):
     p = goodness_of_fit_pvalue(verified["dishonest"]["counts"], verified["target"])
+    assert p < 1e-6, p
+
+
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory):
+    return run_scenario("sampled", tmp_path_factory.mktemp("v2"))
+
+
+def sampled_pvalue(sampled, arm) -> float:
+    """Two-sample homogeneity of an arm's samples (whole outputs, as
+    tuples) with plain V2's."""
+    from tests.test_stand_e2e import homogeneity_pvalue
+
+    def tuples(name):
+        return [tuple(s) for s in sampled[name]["samples"]]
+
+    return homogeneity_pvalue(tuples("plain"), tuples(arm))
+
+
+@pytest.mark.parametrize("method", ["stand", "token_recycling"])
+def test_sampled_output_on_v2_keeps_the_target_distribution(sampled, method):
+    """Seeded samples at temperature 1 of the first tokens, drafted and
+    verified by V2's rejection sampler (STAND's with its probability rows,
+    token recycling's as one-hot drafts): one distribution with plain V2's."""
+    got = sampled[method]
+    assert sampled["plain"]["runner"] == "v2" and got["runner"] == "v2"
+    assert len(got["samples"]) == len(sampled["plain"]["samples"]) == SAMPLED_N
+    p = sampled_pvalue(sampled, method)
+    print(f"{method}: p = {p:.3g}, drafts {got['drafts']}, "
+          f"draft tokens {got['draft_tokens']}, accepted {got['accepted']}")
+    assert p > 1e-3, (p, got["accepted"])
+    assert got["stats"]["proposer"]["num_errors"] == 0
+    assert got["stats"]["malformed_drafts"] == 0
+
+
+@pytest.mark.parametrize("method", ["stand", "token_recycling", "stand_dishonest"])
+def test_sampled_drafts_were_verified_and_accepted_on_v2(sampled, method):
+    """vLLM's own counts while the samples were drawn: without accepted
+    drafts the output is the target's own sampling and the homogeneity
+    check proves nothing."""
+    got = sampled[method]
+    assert got["runner"] == "v2"
+    assert got["drafts"] > 0 and got["accepted"] >= SAMPLED_N // 4, got["accepted"]
+
+
+def test_stand_hands_v2_rows_for_its_sampled_drafts(sampled):
+    """STAND's sampled drafts carried probability rows (none went out
+    one-hot), so V2's sampler verified them against what they were drawn
+    from."""
+    drafted = sampled["stand"]["stats"]["proposer"]["stand"]["drafted"]
+    assert drafted["sampled"] > 0 and drafted["sampled_one_hot"] == 0, drafted
+
+
+def test_the_same_check_catches_stand_misstating_its_draws_on_v2(sampled):
+    """The control: STAND drafts each distribution's mode under a row that
+    claims a draw from it (proposers/stand_debug.py); V2's sampler, reading
+    the row, over-accepts the mode and the same check on the same number
+    of samples rejects."""
+    p = sampled_pvalue(sampled, "stand_dishonest")
+    print(f"stand_dishonest: p = {p:.3g}, accepted {sampled['stand_dishonest']['accepted']}")
     assert p < 1e-6, p

@@ -10,6 +10,7 @@ after the other, and reads back one JSON object:
     python -m tests.v2_engines preempted  # tiny model: preemption and an abort
     python -m tests.v2_engines draft_logits  # V2's rejection sampler, our rows
     python -m tests.v2_engines step_k     # tiny model: the step's k, by batch size and chosen
+    python -m tests.v2_engines sampled    # seeded samples: stand, token_recycling vs plain V2
 
 V2's own kernels run in Triton's interpreter here, so the scenarios keep to
 short outputs; the tiny model is enough where only exactness is asked.
@@ -287,13 +288,128 @@ def draft_logits(_tmp: str) -> dict:
     return out
 
 
+# Sampled output on V2, engine level: many seeded samples (temperature 1) of
+# the first tokens after a repetitive prompt, from plain V2 and from each
+# method; tests/test_v2_e2e.py compares their distributions. The tiny model,
+# its vocabulary cut to 1024 tokens (one block of V2's sampling kernels,
+# whose interpreted runs make most of a step's time at 49152), with an init
+# whose first two tokens after the prompt are near certain (0.99, 0.95) and
+# whose third is spread over a handful (0.25, 0.21, 0.12, ...): drafts are
+# accepted, and the third token is where a misstated row shows.
+SAMPLED_VOCAB = 1024
+SAMPLED_MODEL = {"num_layers": 2, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 1,
+                 "intermediate_size": 256, "initializer_range": 0.4,
+                 "tie_word_embeddings": True, "seed": 0}
+SAMPLED_PROMPT = [1, 2, 3, 4, 5, 6] * 4
+SAMPLED_N = 192
+# Tokens a sample: the first from the prompt's prefill, the next two drafted.
+SAMPLED_TOKENS = 3
+# Requests a step; the later ones draft from what the earlier ones verified
+# (STAND's store for the prompt, token recycling's table).
+SAMPLED_BATCH = 96
+SAMPLED_SPECS = {
+    "stand": {"method": "stand", "draft_length": "fixed"},
+    # min_confidence 0: drafts however flat the table's rows.
+    "token_recycling": {"method": "token_recycling", "draft_length": "fixed",
+                        "min_confidence": 0.0},
+}
+# The control: STAND drafting each distribution's mode while its row claims
+# a draw from the distribution (proposers/stand_debug.py), for the requests
+# that ask, on the engine that serves the honest ones too. The row misstates
+# what the draft came from, and only V2's sampler reading it makes that
+# bias: a draft verified as one-hot keeps the target's distribution
+# whatever chose it.
+STAND_DEBUG_HOOK = {"VLLM_PLUGINS_STAND_DEBUG_PROBS": "per_request"}
+DISHONEST = {"stand_debug_probs": "argmax"}
+
+
+def cut_vocabulary(src: str, dst: str, vocab: int) -> str:
+    """A copy of the model at ``src`` keeping its first ``vocab`` tokens (rows
+    of the embedding and, when untied, the output head): the same init
+    with the softmax over fewer tokens. The tokenizer is copied as it is;
+    the prompts and outputs here are token ids below ``vocab``."""
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    src_dir, dst_dir = Path(src), Path(dst)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for f in src_dir.iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copyfile(f, dst_dir / f.name)
+    for f in src_dir.glob("*.safetensors"):
+        weights = load_file(f)
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in weights:
+                weights[name] = weights[name][:vocab].contiguous()
+        save_file(weights, dst_dir / f.name, metadata={"format": "pt"})
+    config = json.loads((dst_dir / "config.json").read_text())
+    config["vocab_size"] = vocab
+    (dst_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return str(dst_dir)
+
+
+def spec_counts(llm) -> dict:
+    """vLLM's spec-decode counters (drafts, draft tokens, accepted)."""
+    return {"drafts": vllm_count(llm, "vllm:spec_decode_num_drafts"),
+            "draft_tokens": vllm_count(llm, "vllm:spec_decode_num_draft_tokens"),
+            "accepted": accepted_by_vllm(llm)}
+
+
+def sample_first_tokens(llm, seed0: int, extra_args=None) -> dict:
+    """SAMPLED_N seeded samples of the prompt's first SAMPLED_TOKENS tokens,
+    and what vLLM verified and accepted while drawing them."""
+    from vllm import SamplingParams
+
+    before = spec_counts(llm)
+    params = [SamplingParams(temperature=1.0, max_tokens=SAMPLED_TOKENS, ignore_eos=True,
+                             seed=seed0 + i, extra_args=extra_args)
+              for i in range(SAMPLED_N)]
+    results = llm.generate([{"prompt_token_ids": SAMPLED_PROMPT}] * SAMPLED_N, params,
+                           use_tqdm=False)
+    after = spec_counts(llm)
+    return {"samples": [list(r.outputs[0].token_ids) for r in results],
+            **{k: after[k] - before[k] for k in after}}
+
+
+def sampled(tmp: str) -> dict:
+    """Samples of plain V2, of each method on V2, and of the control."""
+    from unittest import mock
+
+    from tests.tiny_model import tiny_llama
+    from vllm_plugins.bench.engines import build_engine, engine_stats, shutdown_all
+
+    path = cut_vocabulary(tiny_llama(os.path.join(tmp, "peaked"), **SAMPLED_MODEL),
+                          os.path.join(tmp, "peaked_cut"), SAMPLED_VOCAB)
+    out: dict = {}
+    # Each arm its own seeds: independent samples of one distribution.
+    for name, seed0 in (("plain", 0), ("stand", 100_000), ("token_recycling", 200_000)):
+        spec = SAMPLED_SPECS.get(name)
+        if spec is not None:
+            spec = {**spec, "num_speculative_tokens": SAMPLED_TOKENS - 1}
+        with mock.patch.dict(os.environ, STAND_DEBUG_HOOK if name == "stand" else {}):
+            llm = build_engine(path, spec, max_num_seqs=SAMPLED_BATCH, max_model_len=64)
+        try:
+            out[name] = {"runner": runner_of(llm), **sample_first_tokens(llm, seed0)}
+            if spec is not None:
+                out[name]["stats"] = engine_stats(llm)
+            if name == "stand":
+                out["stand_dishonest"] = {"runner": runner_of(llm),
+                                          **sample_first_tokens(llm, 300_000, DISHONEST)}
+        finally:
+            shutdown_all([llm])
+    return out
+
+
 def main() -> None:
     enable()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     scenario, tmp = sys.argv[1], sys.argv[2]
     result = {"greedy": greedy, "preempted": preempted,
-              "draft_logits": draft_logits, "step_k": step_k}[scenario](tmp)
+              "draft_logits": draft_logits, "step_k": step_k,
+              "sampled": sampled}[scenario](tmp)
     print("V2_ENGINES_RESULT " + json.dumps(result), flush=True)
 
 
