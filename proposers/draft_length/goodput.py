@@ -199,7 +199,7 @@ class GoodputController(EstimatingController):
     def _observe_resting(self, ctx: StepContext) -> Observation:
         """A resting step: no draft was verified (the step before kept
         none), but the first draft that decision cut (a tree: the root's
-        children) is observed for free (``_observe_cut``). Learning it is
+        children) is observed for free (``step_outcomes``). Learning it is
         what lets a request whose acceptance rose wake up to draft: more
         such drafts accepted than the estimate foresaw (beyond two standard
         deviations; at batch 1, one accepted where the estimate gave it
