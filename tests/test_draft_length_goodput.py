@@ -216,3 +216,22 @@ def test_the_proposer_cost_bench_times_the_controller_on_synthetic_step_times():
     assert first["parts_ms"]["controller"] > 0
     assert first["nodes_per_step"] == again["nodes_per_step"]
     assert first["accepted_per_step"] == again["accepted_per_step"]
+
+
+@pytest.mark.parametrize("policy", ["acceptance", "confidence", "goodput"])
+def test_a_new_controller_has_its_loops_compiled_and_its_state_untouched(policy, monkeypatch):
+    """``make_controller`` runs a twin through synthetic steps, so numba
+    compiles (or loads) the controller's loops then, not in the engine's
+    first steps; the controller it returns has seen nothing."""
+    import numba.core.dispatcher as dispatcher
+
+    from tests.draft_length_world import World
+
+    c = make_controller(policy, {}, D)
+    assert c.steps == 0 and len(c.slots) == 0 and c.stats()["decisions"] == 0
+    compiled = []
+    real = dispatcher.Dispatcher.compile
+    monkeypatch.setattr(dispatcher.Dispatcher, "compile",
+                        lambda self, sig: compiled.append(self.py_func.__name__) or real(self, sig))
+    World(c, batch=2, seed=1).run(0.6, 30)
+    assert compiled == []

@@ -34,6 +34,7 @@ from vllm_plugins.proposers.draft_length.controllers import (
     EstimatingController, FixedController, Observation)
 from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
 from vllm_plugins.proposers.draft_length.tree_goodput import TreeGoodputController
+from vllm_plugins.proposers.draft_length.warm_up import warm_up
 
 # Policy name -> controller. ``goodput`` is the tree-aware controller, which
 # on chains decides as GoodputController (the chain rule, "goodput_chain").
@@ -76,4 +77,6 @@ def make_controller(name: str, options: dict | None, max_draft: int
     if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
         raise ValueError(f"max_draft must be a positive integer, got {max_draft!r}")
     resolved = policy_options(name, options)
-    return CONTROLLERS[name](max_draft, resolved)
+    controller = CONTROLLERS[name](max_draft, resolved)
+    warm_up(controller)   # its compiled loops now, not in the first engine steps
+    return controller
