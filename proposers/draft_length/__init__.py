@@ -21,7 +21,8 @@ Modules: ``slots`` (per-request rows), ``acceptance`` (estimates),
 ``calibration``, ``step_cost`` (the step-time model), ``controllers`` (the
 contract, acceptance, confidence), ``goodput`` and ``rest``, ``simulator``;
 ``controller_kernels``, ``estimator_kernels``, ``calibration_kernels`` and
-``step_cost_kernels``, their per-step loops compiled with numba; ``batch_k``, the batch-wide k from an engine core's
+``step_cost_kernels``, their per-step loops compiled with numba, and
+``warm_up``, which compiles them as a controller is made; ``batch_k``, the batch-wide k from an engine core's
 counts (Model Runner V2's device route). No vLLM import. See
 docs/draft_length.md.
 """
