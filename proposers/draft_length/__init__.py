@@ -22,9 +22,9 @@ Modules: ``slots`` (per-request rows), ``acceptance`` (estimates),
 contract, acceptance, confidence), ``goodput`` and ``rest``, ``simulator``;
 ``controller_kernels``, ``estimator_kernels``, ``calibration_kernels`` and
 ``step_cost_kernels``, their per-step loops compiled with numba, and
-``warm_up``, which compiles them as a controller is made; ``batch_k``, the batch-wide k from an engine core's
-counts (Model Runner V2's device route). No vLLM import. See
-docs/draft_length.md.
+``warm_up``, which compiles them as a controller is made; ``batch_k``, the
+batch-wide k from an engine core's counts (Model Runner V2's device route).
+No vLLM import. See docs/draft_length.md.
 """
 
 from __future__ import annotations
