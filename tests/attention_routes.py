@@ -1,17 +1,21 @@
-"""How many of a worker's attention layers carry the tree route (patch
-``tree.cpu_attention``), for engine tests: a chain engine must keep vLLM's
-attention as it is, a tree engine must route every layer. Called through
-``LLM.collective_rpc`` on an in-process engine."""
+"""What of a worker's runner carries the tree route (bridge/v1/runner.py:
+``route_trees``), for engine tests: a chain engine must keep vLLM's methods
+and attention as they are, a tree engine must route all of them. Called
+through ``LLM.collective_rpc`` on an in-process engine."""
 
 
-def tree_routes(worker) -> tuple[int, int]:
-    """(attention layers, layers whose forward is our tree route)."""
+def tree_routes(worker) -> dict:
+    """The runner's attention layers, how many carry the tree route, and
+    which of the runner's own tree patches it carries."""
     from vllm_plugins.bridge.patches import named
     from vllm_plugins.bridge.patching import applied_to
+    from vllm_plugins.bridge.v1.runner import ATTENTION_TREE_ROUTE, RUNNER_TREE_ROUTE
 
-    patch = named("tree.cpu_attention")
-    owner, attr = patch.owner_and_attr()
-    impls = [m.impl for m in worker.model_runner.get_model().modules()
+    runner = worker.model_runner
+    attention = named(ATTENTION_TREE_ROUTE)
+    owner, attr = attention.owner_and_attr()
+    impls = [m.impl for m in runner.get_model().modules()
              if isinstance(getattr(m, "impl", None), owner)]
-    assert not any(attr in vars(i) and not applied_to(patch, i) for i in impls)
-    return len(impls), sum(applied_to(patch, i) for i in impls)
+    assert not any(attr in vars(i) and not applied_to(attention, i) for i in impls)
+    return {"layers": len(impls), "routed_layers": sum(applied_to(attention, i) for i in impls),
+            "runner": [n for n in RUNNER_TREE_ROUTE if applied_to(named(n), runner)]}

@@ -69,9 +69,10 @@ def test_batch1_greedy_identical(base, spec, prompts):
         assert got[0].token_ids == _BASE[key][:n]
     stats = engine_stats(spec)
     assert stats["drafted"] > 0 and stats["accepted"] > 0, stats
-    # A chain method's engine keeps vLLM's attention: no tree route per layer.
-    layers, routed = spec.collective_rpc(tree_routes)[0]
-    assert layers > 0 and routed == 0
+    # A chain method's engine keeps vLLM's attention and runner methods: no
+    # tree route per layer or per step.
+    routes = spec.collective_rpc(tree_routes)[0]
+    assert routes["layers"] > 0 and routes["routed_layers"] == 0 and routes["runner"] == []
     if getattr(spec, "goodput", False):
         # Our own work per awake step (the bridge's top-k, the proposer) is
         # timed apart from the engine's step ...

@@ -16,16 +16,24 @@ def test_every_component_is_found_and_unwrapped_after():
     import vllm_plugins.bridge as bridge
     from vllm_plugins.proposers.base import PluginProposer
 
+    from vllm_plugins.bridge.patches import named
+
     bridge.install()
     step = PluginProposer.step
+    # A per-instance patch is timed on the objects it goes onto while the
+    # profile is installed.
+    attention = named("tree.cpu_attention")
+    route = attention.replacement()
     prof = host_profile.Profile()
     prof.install()
     try:
         assert PluginProposer.step is not step
         assert PluginProposer.step.__wrapped__ is step
+        assert attention.replacement().__wrapped__ is route and attention.is_applied()
     finally:
         prof.uninstall()
     assert PluginProposer.step is step
+    assert attention.replacement() is route
 
 
 def test_a_renamed_function_stops_the_profile_naming_it(monkeypatch):

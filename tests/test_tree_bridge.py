@@ -257,20 +257,27 @@ def test_attention_reads_the_plan_of_the_forward_running_now():
                     ("vllm", "outside"), ("vllm", "a"), ("vllm", "a")]
 
 
-def test_attention_layers_get_the_tree_route_at_the_first_tree_step_only():
-    """vLLM's attention stays as it is (no wrapper of ours per layer) in a
-    runner until it verifies its first tree, and in every other runner."""
+def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
+    """vLLM's methods and attention stay as they are (no wrapper of ours)
+    in a runner until its proposer drafts a tree, and in every other
+    runner; from then on the runner's step and every attention layer of its
+    model are routed, and a tree step plans."""
     import vllm_plugins.bridge as bridge
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from vllm_plugins.bridge.patching import MARK, applied_to
     from vllm_plugins.bridge.patches import named
     from vllm_plugins.bridge.state import attach
     from vllm_plugins.bridge.v1 import runner as bridge_runner
+    from vllm_plugins.bridge.v1 import step
 
     bridge.install()
-    patch = named("tree.cpu_attention")
-    assert not hasattr(CPUAttentionBackendImpl.forward, MARK)
+    runner_route = [named(n) for n in bridge_runner.RUNNER_TREE_ROUTE]
+    attention = named(bridge_runner.ATTENTION_TREE_ROUTE)
+    for patch in runner_route + [attention]:
+        owner, attr = patch.owner_and_attr()
+        assert not hasattr(getattr(owner, attr), MARK)  # the class keeps vLLM's
 
     def fake_runner():
         impls = [object.__new__(CPUAttentionBackendImpl) for _ in range(3)]
@@ -279,31 +286,38 @@ def test_attention_layers_get_the_tree_route_at_the_first_tree_step_only():
             layer = torch.nn.Module()
             layer.impl = impl
             model.add_module(f"layer{i}", layer)
-        batch = SimpleNamespace(
-            req_ids=["r0"], num_computed_tokens_cpu=np.array([4]),
-            block_table=[SimpleNamespace(slot_mapping=SimpleNamespace(
-                gpu=torch.arange(8)))])
-        return SimpleNamespace(input_batch=batch, positions=torch.arange(8),
-                               get_model=lambda: model), impls
+        runner = object.__new__(GPUModelRunner)
+        runner.get_model = lambda: model
+        return runner, impls
+
+    def routed(runner, impls):
+        return ([applied_to(p, runner) for p in runner_route],
+                [applied_to(attention, i) for i in impls])
 
     tree_runner, tree_impls = fake_runner()
     chain_runner, chain_impls = fake_runner()
     state = attach(tree_runner, proposer=object())
     attach(chain_runner, proposer=object())
-    prepare = bridge_runner.wrap_prepare_inputs(lambda runner, out, n: None)
-    sched = SimpleNamespace(total_num_scheduled_tokens=1, scheduled_spec_decode_tokens={})
-    plan = object()
-    with mock.patch.object(tree_step, "plan", lambda *a: plan), \
-            mock.patch.object(tree_step, "depth_positions", lambda *a: None):
-        for _ in range(3):  # chain steps
-            prepare(tree_runner, sched, np.array([1]))
-            prepare(chain_runner, sched, np.array([1]))
-        assert not any(applied_to(patch, i) for i in tree_impls + chain_impls)
-        state.trees = {"r0": object()}  # a tree was drafted: the next step verifies it
-        prepare(tree_runner, sched, np.array([1]))
-        assert state.tree_step is plan
-        assert all(applied_to(patch, i) for i in tree_impls)
-        assert all("forward" not in vars(i) for i in chain_impls)
+
+    def drafts(runner, state, *args):
+        if runner is tree_runner and state.counters.steps == 3:
+            state.trees = {"r0": object()}   # recorded by step.record_trees
+        return [[1, 2]]
+
+    propose = bridge_runner.wrap_propose(lambda *args: None)
+    with mock.patch.object(step, "propose", drafts):
+        for n in range(1, 5):
+            for runner in (tree_runner, chain_runner):
+                propose(runner, None, [[1]], None, None, None, None, None)
+            if n < 3:
+                assert routed(tree_runner, tree_impls) == ([False] * 2, [False] * 3)
+    assert routed(tree_runner, tree_impls) == ([True] * 2, [True] * 3)
+    assert routed(chain_runner, chain_impls) == ([False] * 2, [False] * 3)
+    assert all(n not in vars(chain_runner) for n in ("_prepare_inputs", "_model_forward"))
+    assert all("forward" not in vars(i) for i in chain_impls)
+
+    assert tree_runner._prepare_inputs.__func__ is runner_route[0].replacement()
+    assert tree_impls[0].forward.__func__ is attention.replacement()
 
 
 def test_kv_move_puts_the_accepted_path_at_chain_slots():

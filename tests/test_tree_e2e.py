@@ -279,11 +279,12 @@ def test_greedy_tree_output_is_plain_decoding(reference, oracle_run):
     # skipped) and steps beside chain requests (batch 4).
     assert 0 < stats["tree_only_steps"] < stats["tree_steps"], stats
     assert stats["accepted"] > 0, stats
-    # vLLM's attention layers carry our tree route from the first tree step
-    # on, every one of them, and not before.
-    layers, routed = result["routes"]["after trees"]
-    assert layers > 0 and routed == layers, result["routes"]
-    assert result["routes"]["at start"] == [layers, 0], result["routes"]
+    # The runner and every attention layer carry our tree route from the
+    # first tree on, and not before.
+    start, after = result["routes"]["at start"], result["routes"]["after trees"]
+    assert after["layers"] > 0 and after["routed_layers"] == after["layers"], after
+    assert after["runner"] == ["tree.depth_positions", "tree.forward_plan"], after
+    assert start == {**after, "routed_layers": 0, "runner": []}, start
     for i, (g, w) in enumerate(zip(got4, reference["batch4"])):
         assert g == w, ("batch 4", i)
     for i, (g, w) in enumerate(zip(got1, reference["batch1"])):

@@ -102,22 +102,22 @@ PATCHES: tuple[Patch, ...] = (
     Patch("tree.depth_positions", _RUNNER + "._prepare_inputs",
           "a step verifying tree drafts reads rotary positions by depth (the "
           "slots stay vLLM's, by node index) and plans the step's ancestry "
-          "masks for attention",
+          "masks for attention; put on a runner at its first tree",
           _PINS + "test_prepare_inputs_computes_slots_before_the_forward_reads_positions",
-          runner.wrap_prepare_inputs),
+          runner.wrap_prepare_inputs, per_instance=True),
     Patch("tree.forward_plan", _RUNNER + "._model_forward",
           "a tree step's plan enters the ForwardContext vLLM opened for the "
           "step's forward, where the attention wrapper reads it: no other "
-          "forward, step or runner sees it",
+          "forward, step or runner sees it; put on a runner at its first tree",
           _PINS + "test_the_steps_forward_runs_in_a_forward_context_of_its_own",
-          runner.wrap_model_forward),
+          runner.wrap_model_forward, per_instance=True),
     Patch("tree.cpu_attention",
           "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
           "in a step verifying tree drafts, tree requests attend by ancestry "
           "(kernels.tree_attention) and vLLM's forward runs on the other "
           "requests alone, so no row is computed twice; put on a runner's "
-          "attention layers at its first tree step, so that no other engine "
-          "pays for it",
+          "attention layers at its first tree, so that no other engine pays "
+          "for it",
           _PINS + "test_cpu_attention_forward_reads_a_cache_vllm_wrote",
           runner.wrap_cpu_attention, per_instance=True),
     Patch("worker.stats", "vllm.v1.worker.worker_base:WorkerBase.vllm_plugins_stats",

@@ -96,9 +96,9 @@ class RunnerState:
     tree_step: object = None
     tree_refusal: str | None = None
     tree_layout_checked: bool = False
-    # Whether this runner's attention layers carry the tree route (patch
-    # tree.cpu_attention), put there at its first tree step.
-    tree_attention_routed: bool = False
+    # Whether this runner and its attention layers carry the tree route
+    # (bridge/v1/runner.py:route_trees), put there at its first tree.
+    trees_routed: bool = False
     # Whether a malformed draft of this runner's proposer was logged, and a
     # draft the tensor-parallel ranks disagreed on.
     malformed_logged: bool = False

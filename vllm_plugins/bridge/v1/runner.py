@@ -2,8 +2,10 @@
 
 Each wrapper below first looks for our ``RunnerState`` on the runner and,
 where there is none (plain decoding, vLLM's own drafters), calls vLLM's code
-and does nothing else. Data flow inside one step of a runner that drafts
-with one of our proposers:
+and does nothing else. The tree step's wrappers (``_prepare_inputs``,
+``_model_forward``, each attention layer's forward) are not even there
+until the runner's proposer drafts its first tree (``route_trees``). Data
+flow inside one step of a runner that drafts with one of our proposers:
 
   execute_model           -> note the step's start (the cost model's clock)
   _prepare_inputs         -> a tree step: rotary positions by depth, the
@@ -157,7 +159,6 @@ def wrap_prepare_inputs(original):
             batch.block_table[0].slot_mapping.gpu[:total].cpu().numpy())
         state.tree_step = plan
         if plan is not None:
-            route_tree_attention(self, state)
             tree_step.depth_positions(plan, self.positions)
         return out
 
@@ -179,25 +180,31 @@ def wrap_model_forward(original):
     return _model_forward
 
 
-def route_tree_attention(runner, state) -> None:
-    """Puts the tree route (``wrap_cpu_attention``, patch
-    ``tree.cpu_attention``) on each of this runner's attention layers, once,
-    before its first tree step's forward. A plan exists only once a tree was
-    drafted, so an engine that never drafts one (chains, vLLM's own
-    drafters, plain decoding) keeps vLLM's attention untouched, at no cost
-    per layer."""
-    if state.tree_attention_routed:
-        return
+# Per-instance patches (bridge.patches) that make up the tree route: on the
+# runner, and on each of its attention layers.
+RUNNER_TREE_ROUTE = ("tree.depth_positions", "tree.forward_plan")
+ATTENTION_TREE_ROUTE = "tree.cpu_attention"
+
+
+def route_trees(runner, state) -> None:
+    """Puts the tree route on this runner and its attention layers, once,
+    when its proposer has drafted its first tree: that tree is verified at
+    the next step, whose ``_prepare_inputs`` plans it. An engine that never
+    drafts a tree (chains, vLLM's own drafters, plain decoding) keeps
+    vLLM's methods and attention as they are, at no cost per step or per
+    layer."""
     from vllm_plugins.bridge.patches import named
     from vllm_plugins.bridge.patching import apply_to
 
-    patch = named("tree.cpu_attention")
-    owner, _ = patch.owner_and_attr()
+    for name in RUNNER_TREE_ROUTE:
+        apply_to(named(name), runner)
+    attention = named(ATTENTION_TREE_ROUTE)
+    owner, _ = attention.owner_and_attr()
     for module in runner.get_model().modules():
         impl = getattr(module, "impl", None)
         if isinstance(impl, owner):
-            apply_to(patch, impl)
-    state.tree_attention_routed = True
+            apply_to(attention, impl)
+    state.trees_routed = True
 
 
 def wrap_cpu_attention(original):
@@ -343,8 +350,11 @@ def wrap_propose(original):
                             aux_hidden_states, spec_decode_metadata, *args, **kwargs)
         common_attn_metadata = args[0] if args else kwargs.get("common_attn_metadata")
         try:
-            return step.propose(self, state, scheduler_output, sampled_token_ids,
-                                common_attn_metadata, aux_hidden_states)
+            drafts = step.propose(self, state, scheduler_output, sampled_token_ids,
+                                  common_attn_metadata, aux_hidden_states)
+            if state.trees and not state.trees_routed:
+                route_trees(self, state)
+            return drafts
         finally:
             state.propose_end = time.perf_counter()
 
