@@ -55,6 +55,7 @@ PARALLEL_ROWS = 8
 # buffer and its (tensor, array) views by shape.
 _kept = threading.local()
 _NO_MAXIMA = np.empty((0, 0), dtype=np.float32)
+_blocks = None  # vllm_plugins.topk_blocks once loaded (compiled())
 
 
 def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,14 +95,15 @@ def blocked(logits: torch.Tensor, k: int) -> bool:
 def host_topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``topk_logprobs`` of CPU logits with more than k blocks a row, as
     arrays."""
-    # Compiled loops load with the first call: importing numba where no
-    # engine of ours runs would trip vLLM's CPU build (patch cpu.kernel_scan_vars).
-    from vllm_plugins.topk_blocks import gather_rows, topk_rows, topk_rows_gathered
-
+    blocks = compiled()
     rows, vocab = logits.shape
-    threads = torch.get_num_threads()
-    per = max(CHUNK_BYTES // (4 * vocab), threads, 1)
-    fill = rows < PARALLEL_ROWS or threads == 1
+    per = CHUNK_BYTES // (4 * vocab)
+    if rows < PARALLEL_ROWS and rows <= per:
+        fill = True   # one chunk, the compiled loop's maxima: whatever the threads
+    else:
+        threads = torch.get_num_threads()
+        per = max(per, threads, 1)
+        fill = rows < PARALLEL_ROWS or threads == 1
     ids = np.empty((rows, k), dtype=np.int64)
     lps = np.empty((rows, k), dtype=np.float32)
     half = logits.dtype != torch.float32
@@ -115,17 +117,31 @@ def host_topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
             # log_softmax then runs in place (CPU's kernel reads each row
             # whole before writing it) once the ids are taken.
             chunk.copy_(x)
-            topk_rows(chunk_np, block_maxima(chunk, fill), fill, k, out_ids)
+            blocks.topk_rows(chunk_np, block_maxima(chunk, fill), fill, k, out_ids)
             torch.log_softmax(chunk, -1, out=chunk)
-            gather_rows(chunk_np, out_ids, out_lps)
+            blocks.gather_rows(chunk_np, out_ids, out_lps)
             continue
         x_np = x.numpy()
         if not x_np.flags.c_contiguous:
             x = x.contiguous()
             x_np = x.numpy()
         torch.log_softmax(x, -1, out=chunk)
-        topk_rows_gathered(x_np, block_maxima(x, fill), fill, chunk_np, k, out_ids, out_lps)
+        blocks.topk_rows_gathered(x_np, block_maxima(x, fill), fill, chunk_np, k,
+                                  out_ids, out_lps)
     return lps, ids
+
+
+def compiled():
+    """``topk_blocks``, imported at the first call (importing numba where no
+    engine of ours runs would trip vLLM's CPU build: patch
+    cpu.kernel_scan_vars) and kept: an import statement is Python code of
+    its own, run again each call."""
+    global _blocks
+    if _blocks is None:
+        from vllm_plugins import topk_blocks
+
+        _blocks = topk_blocks
+    return _blocks
 
 
 def block_maxima(x: torch.Tensor, fill: bool) -> np.ndarray:
@@ -140,9 +156,14 @@ def block_maxima(x: torch.Tensor, fill: bool) -> np.ndarray:
 
 def chunk_buffer(rows: int, vocab: int) -> tuple[torch.Tensor, np.ndarray]:
     """A [rows, vocab] float32 view of this thread's kept buffer, as a
-    tensor and as an array; grown when a call needs more."""
+    tensor and as an array; grown when a call needs more. A shape seen
+    before costs no torch call."""
     kept = getattr(_kept, "buffer", None)
     views = getattr(_kept, "views", None)
+    if views is not None and views[0] is kept:
+        view = views[1].get((rows, vocab))
+        if view is not None:
+            return view
     if kept is None or kept.numel() < rows * vocab:
         # A normal tensor, even when allocated in an engine step: one made
         # under inference mode could not be written outside it (a process
@@ -151,9 +172,7 @@ def chunk_buffer(rows: int, vocab: int) -> tuple[torch.Tensor, np.ndarray]:
             kept = _kept.buffer = torch.empty(rows * vocab, dtype=torch.float32)
     if views is None or views[0] is not kept:
         views = _kept.views = (kept, {})
-    view = views[1].get((rows, vocab))
-    if view is None:
-        with torch.inference_mode(False):
-            tensor = kept[:rows * vocab].view(rows, vocab)
-        view = views[1][rows, vocab] = (tensor, tensor.numpy())
+    with torch.inference_mode(False):
+        tensor = kept[:rows * vocab].view(rows, vocab)
+    view = views[1][rows, vocab] = (tensor, tensor.numpy())
     return view
