@@ -86,9 +86,10 @@ def test_a_run_on_the_tiny_model_reports_every_component(tmp_path, capsys):
     for label in host_profile.labels():
         assert f"| {label} |" in printed, label
     # The hybrid's trees pass through every component of ours but the
-    # draft-length policy, which Token Recycling's default runs.
+    # draft-length policy, which Token Recycling's default runs, and V2's
+    # device route.
     calls = rows["all_sources"]["calls_per_step"]
-    skip = {host_profile.CONTROLLER, host_profile.SUFFIX}
+    skip = {host_profile.CONTROLLER, host_profile.SUFFIX, host_profile.DEVICE_ROUTE}
     missing = [k for k in host_profile.labels() if k not in skip and not calls.get(k)]
     assert not missing, missing
     assert rows["token_recycling"]["calls_per_step"].get(host_profile.CONTROLLER)

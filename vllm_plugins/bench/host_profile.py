@@ -63,6 +63,7 @@ SUFFIX = "vLLM suffix proposer"
 # Components that are not ours to cut: the target's own work.
 NOT_OURS = (VLLM, TREE_ATTENTION)
 TOPK = "top-k stash"
+DEVICE_ROUTE = "device route step"   # Model Runner V2's device route only
 
 # The bridge's patches that run in every step (vllm_plugins.bridge.patches):
 # each wrapper's own code is ours, the vLLM function it wraps is vLLM's.
@@ -71,7 +72,7 @@ STEP_PATCHES = ("runner.step_clock", "runner.verified_topk", "runner.propose",
                 "verify.target_rows", "verify.bonus_min_tokens",
                 "grammar.send_held_specs", "grammar.worker_compiles_held_specs",
                 "grammar.report_matcher_errors", "grammar.end_on_matcher_errors",
-                "metrics.worker_counters")
+                "metrics.worker_counters", "v2.step_k_report")
 
 # (component, "module:Qualname") of each function timed as that component.
 FUNCTIONS = (
@@ -114,6 +115,9 @@ FUNCTIONS = (
     (BRIDGE, "vllm_plugins.bridge.v2.drafter_base:V2Drafter.propose"),
     (BRIDGE, "vllm_plugins.bridge.v2.speculator:PluginSpeculator.draft"),
     (TOPK, "vllm_plugins.bridge.v2.speculator:PluginSpeculator.observe_logits"),
+    # The device route: its top-1 (the top-k's share) and its step of tensor ops.
+    (TOPK, "vllm_plugins.bridge.v2.device_speculator:DeviceSpeculator.observe_logits"),
+    (DEVICE_ROUTE, "vllm_plugins.bridge.v2.device_speculator:DeviceSpeculator.draft"),
     # The speculator calls the name it imported: that is the one to time.
     ("StepContext", "vllm_plugins.bridge.v2.speculator:build_context"),
     ("drafts out (checks, tree record, probs)",
