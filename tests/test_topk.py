@@ -180,3 +180,11 @@ def test_strided_logits():
     logits = padded[:, :49152]
     for got, want in zip(topk_logprobs(logits, 8), topk_logprobs(logits.contiguous(), 8)):
         assert torch.equal(got, want)
+
+
+def test_the_block_is_the_compiled_loops():
+    """``topk`` names the block without loading numba; it must be the one
+    the compiled loops are written for."""
+    from vllm_plugins import topk_blocks
+
+    assert BLOCK == topk_blocks.BLOCK
