@@ -322,13 +322,7 @@ class GoodputController(EstimatingController):
         if observation.step_k is not None:
             return self._choose_step_k(lengths, q, valid, observation, a, b)
         keep, goodput, tokens = self._allocate(q, valid, a, b)
-        self.last_expected_goodput = goodput
-        self.last_expected_tokens = tokens
-        self.rest.promised = goodput
-        idle = self._idle_goodput(batch)
-        if self._may_rest() and self.rest.beats_drafting(batch, goodput, idle, self.steps):
-            self.rest.decided = True
-            self.rest.promised = idle
+        if self._rests_instead(batch, goodput, tokens):
             return np.zeros_like(keep)
         # A draft is worth its cost when its prefix probability exceeds
         # tau = b * goodput. Probing pays off only if acceptance can beat tau:
@@ -346,6 +340,15 @@ class GoodputController(EstimatingController):
         is choosing 0 with the top-k and learning skipped too."""
         batch = len(lengths)
         k, goodput, tokens = uniform_step_k(q, valid, a, b, self.cost.verify_step_s)
+        if self._rests_instead(batch, goodput, tokens):
+            self._choose_next_step_k(0)
+            return np.zeros_like(lengths)
+        self._choose_next_step_k(k)
+        return np.minimum(lengths, observation.step_k)
+
+    def _rests_instead(self, batch: int, goodput: float, tokens: float) -> bool:
+        """Records the decision's promise; True where resting beats it (the
+        rest then begins, promising the idle rate)."""
         self.last_expected_goodput = goodput
         self.last_expected_tokens = tokens
         self.rest.promised = goodput
@@ -353,10 +356,8 @@ class GoodputController(EstimatingController):
         if self._may_rest() and self.rest.beats_drafting(batch, goodput, idle, self.steps):
             self.rest.decided = True
             self.rest.promised = idle
-            self._choose_next_step_k(0)
-            return np.zeros_like(lengths)
-        self._choose_next_step_k(k)
-        return np.minimum(lengths, observation.step_k)
+            return True
+        return False
 
     def _choose_next_step_k(self, k: int) -> None:
         """Records the next step's k; a long run of 0 is broken by one
