@@ -27,7 +27,8 @@ draft-length options every method takes. Per request,
 
 Memory: the sources' own (Token Recycling's tables, the suffix cache), the
 merge's buffers (a few arrays of the candidates' count), and per request
-the last merged tree until its outcome is read.
+the last merged tree until its outcome is read and a few floats per source
+of what each costs it and brings it (``SourceCosts``), until it is freed.
 """
 
 from __future__ import annotations
@@ -178,15 +179,16 @@ class HybridProposer(PluginProposer):
         """The drafts of the last drafting step against what they cost: the
         step that verified them (its tokens and seconds, the proposer's
         included: the engine waits for it) and the tokens only each source
-        proposed (``_learn_outcomes``), against each source's time since."""
+        proposed for each request (``_learn_outcomes``), against each
+        source's time since."""
         seconds = None
         if ctx.last_step_seconds is not None:
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
-        self.costs.end_step(sum(len(r.accepted) for r in ctx.requests), seconds,
-                            self.source_alone)
+        self.costs.end_step(sum(len(r.accepted) for r in ctx.requests), seconds)
 
     def _timed(self, k: int, what: str, fn, *args):
-        """``_guard``, its time counted to source k."""
+        """``_guard``, its time counted to source k's engine-wide work
+        (learn, sent; a request's propose is timed to that request)."""
         start = time.perf_counter()
         try:
             return self._guard(k, what, fn, *args)
@@ -216,11 +218,21 @@ class HybridProposer(PluginProposer):
 
     # ------------------------------------------------------------ step
     def draft(self, ctx: StepContext) -> Drafts:
-        """Learn, collect every drafting request's source trees, merge them
-        all in one call (``Merger.merge_step``), lay out the drafts."""
+        """Learn, collect every drafting request's source trees (from the
+        sources ``SourceCosts`` keeps on for it), merge them all in one call
+        (``Merger.merge_step``), lay out the drafts. Every running request
+        that may draft joins the costs before the sources learn: a source
+        on for none of them learns nothing."""
         self._learn_outcomes(ctx)
         self._count_costs(ctx)
-        on = self.costs.on
+        costs = self.costs
+        chosen: list[tuple[int | None, tuple[int, ...]] | None] = []
+        for r in ctx.requests:
+            choice = None if r.in_prefill else self._request_options(r)
+            chosen.append(choice)
+            if choice is not None and choice[0] != 0:
+                costs.join(r.req_id, choice[1])
+        on = costs.on
         for k, s in enumerate(self.sources):
             if on[k]:
                 self._timed(k, "learn", s.learn, ctx)
@@ -230,17 +242,20 @@ class HybridProposer(PluginProposer):
         parents: list[list[int] | None] = [None] * n
         as_trees = self.options["draft_shape"] == "tree"
         trees, rows, counts, budgets, chains = [], [], [], [], []
+        clock = time.perf_counter
         for i, r, budget in self.drafting_requests(ctx):
-            cap, active = self._request_options(r)
+            cap = chosen[i][0]
             if cap is not None:
                 budget = min(budget, cap)
             if budget <= 0:
                 continue
+            asked = costs.ask(r.req_id)
+            seconds = asked.seconds
             before = len(trees)
-            for k in active:
-                if not on[k]:
-                    continue
-                t = self._timed(k, "propose", self._propose, k, r, budget)
+            for k in asked.on:
+                start = clock()
+                t = self._guard(k, "propose", self._propose, k, r, budget)
+                seconds[k] += clock() - start
                 if t is not None:
                     trees.append((k, t))
             if len(trees) > before:
@@ -291,9 +306,11 @@ class HybridProposer(PluginProposer):
         parent is the root or on the accepted path (the accepted tokens
         walk the trie). Its outcome, for each source that proposed it,
         goes to the calibration; the accepted path's nodes are counted to
-        the sources that proposed them. All requests in one call
+        the sources that proposed them, and each request's tokens that
+        only one source proposed to that request's costs
+        (``SourceCosts.outcomes``). All requests in one call
         (``Merger.outcomes_step``)."""
-        recs, emitted = [], []
+        recs, emitted, req_ids = [], [], []
         for r in ctx.requests:
             rec = self._merged.pop(r.req_id, None)
             if rec is None or len(r.accepted) == 0 \
@@ -301,6 +318,7 @@ class HybridProposer(PluginProposer):
                 continue
             recs.append(rec)
             emitted.append(r.accepted)
+            req_ids.append(r.req_id)
         if not recs:
             return
         trees = recs[0].trees
@@ -309,9 +327,11 @@ class HybridProposer(PluginProposer):
         else:   # a request that skipped steps: its tree is an older step's
             trees = StepTrees.concatenate([(rec.trees, rec.start, rec.n) for rec in recs])
             starts = np.cumsum([0] + [rec.n for rec in recs[:-1]])
-        src, depth, c, out = self.merger.outcomes_step(
+        src, depth, c, out, alone = self.merger.outcomes_step(
             trees, starts, [rec.n for rec in recs], emitted, self.source_accepted,
             self.source_alone)
+        if self.costs.enabled:
+            self.costs.outcomes(req_ids, alone.tolist())
         if len(src):
             self.calibrator.learn(src, depth, c, out)
 
@@ -323,6 +343,7 @@ class HybridProposer(PluginProposer):
 
     def free(self, req_id: str) -> None:
         self._merged.pop(req_id, None)
+        self.costs.free(req_id)
         for k, s in enumerate(self.sources):
             self._guard(k, "free", s.free, req_id)
 

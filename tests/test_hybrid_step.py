@@ -141,6 +141,7 @@ def test_a_steps_outcomes_are_each_requests():
             assert np.array_equal(got[j], np.concatenate([w[j] for w in want])), (trial, j)
         assert acc.tolist() == sum(w[4] for w in want).tolist()
         assert alone.tolist() == sum(w[5] for w in want).tolist()
+        assert got[4].tolist() == [w[5].tolist() for w in want]   # per request
 
 
 def numpy_learn(cal, source, depth, c, outcome):

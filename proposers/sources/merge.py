@@ -140,14 +140,15 @@ def _merge_step(tok, par, raw, vocab, g_off, g_src, r_off, budget, want_chain, c
 @cached_njit
 def _outcomes_step(tok, par, depth, mask, raw, start, n, emitted, e_off, observed,
                    accepted, path, out_src, out_depth, out_conf, out_outcome,
-                   src_accepted, src_alone):
+                   src_accepted, src_alone, row_alone):
     """``outcomes`` of each request's merged tree (nodes ``start[r]:][:n[r]]``)
     against its emitted tokens (``emitted[e_off[r]:e_off[r+1]]``). Writes one
     calibration entry per (observed node, source that proposed it), nodes in
     order, then sources: the source, the node's depth, the source's own
     estimate, 1.0 if accepted. Counts each accepted node to every source
     that proposed it (``src_accepted``) and to the one source where only one
-    did (``src_alone``). Returns the number of entries."""
+    did (``src_alone``, and ``row_alone[r]`` per request: what each source
+    brought each request). Returns the number of entries."""
     n_src = raw.shape[1]
     c = 0
     for r in range(len(start)):
@@ -175,6 +176,7 @@ def _outcomes_step(tok, par, depth, mask, raw, start, n, emitted, e_off, observe
                     last = q
             if count == 1:
                 src_alone[last] += 1
+                row_alone[r, last] += 1
     return c
 
 
@@ -333,7 +335,9 @@ class Merger:
         """Calibration entries (source, depth, raw estimate, outcome) of the
         merged trees ``starts[r]:][:lengths[r]]`` of ``trees`` (a
         ``StepTrees``) against each one's ``emitted[r]`` tokens, and the
-        accepted nodes counted to their sources (see ``_outcomes_step``)."""
+        accepted nodes counted to their sources (see ``_outcomes_step``);
+        last, per request and source, its accepted tokens no other source
+        proposed (int64, ``len(starts)`` x sources)."""
         start = np.asarray(starts, np.int64)
         n = np.asarray(lengths, np.int64)
         e_off = np.array(list(accumulate((len(e) for e in emitted), initial=0)), np.int64)
@@ -342,11 +346,12 @@ class Merger:
         size = int(n.sum()) * trees.raw.shape[1]
         src, depth = np.zeros(size, np.int64), np.zeros(size, np.int64)
         conf, out = np.zeros(size), np.zeros(size)
+        row_alone = np.zeros((len(start), trees.raw.shape[1]), np.int64)
         c = _outcomes_step(trees.tokens, trees.parents, trees.depth, trees.mask, trees.raw,
                            start, n, flat, e_off, np.zeros(width, np.bool_),
                            np.zeros(width, np.bool_), np.zeros(width, np.int64), src, depth,
-                           conf, out, src_accepted, src_alone)
-        return src[:c], depth[:c], conf[:c], out[:c]
+                           conf, out, src_accepted, src_alone, row_alone)
+        return src[:c], depth[:c], conf[:c], out[:c], row_alone
 
     def chain(self, parents: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Node indices of the path with the most expected accepted tokens."""

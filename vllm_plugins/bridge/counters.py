@@ -79,8 +79,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("source_errors", "Calls into a hybrid source that raised (its candidates dropped).",
            "source"),
     Metric("source_off_steps",
-           "Steps a hybrid source was switched off: its host time outweighed the "
-           "tokens only it brought.", "source"),
+           "Request-steps a hybrid source was switched off for a drafting request "
+           "that chose it: its host time outweighed the tokens only it brought that "
+           "request.", "source"),
     Metric("grammar_failures",
            "Requests ended with finish reason error because their grammar could not "
            "follow the output (the grammar logits processor's requests)."),
