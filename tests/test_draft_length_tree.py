@@ -182,6 +182,111 @@ def test_accepted_path_is_the_path_greedy_acceptance_took(seed):
         assert accepted[v] == (tokens[v] == argmax[parents[v] + 1])
 
 
+
+# ------------------------------------------------ the compiled per-tree work
+
+@pytest.mark.parametrize("seed", range(30))
+def test_compiled_tree_pricing_and_layout_equal_the_selection_functions(seed):
+    """proposers/draft_length/tree_kernels.py against vllm_plugins.tree.select
+    and OutcomeCalibrator: the same values, ties and path included."""
+    from vllm_plugins.proposers.draft_length.acceptance import EPS, clip
+    from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
+    from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree,
+                                                                  tree_depths, well_formed)
+    from vllm_plugins.tree.draft import depths
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 20))
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    par = np.asarray(parents, np.int64)
+    cond = rng.choice([0.2, 0.5, 0.9], n) if seed % 3 == 0 else rng.uniform(0.01, 1.0, n)
+    assert tree_depths(par).tolist() == depths(parents)
+    assert well_formed(par, n) and not well_formed(par, n + 1)
+    assert not well_formed(np.asarray(parents[:-1] + [n - 1], np.int64), n)
+    cal = OutcomeCalibrator()
+    cal.s[:] = rng.uniform(0, 5, len(cal.s))
+    cal.e[:] = rng.uniform(0, 5, len(cal.e))
+    for calibrate in (False, True):
+        q_raw, q, ranked, path = price_tree(par, cond, calibrate, cal.EDGES, cal.s, cal.e,
+                                            cal._STRENGTH, EPS, 1.0 - EPS)
+        want_raw = select.path_probabilities(parents, cond)
+        want = want_raw
+        if calibrate:
+            want = clip(want_raw * cal.factor(want_raw), EPS, 1.0 - EPS)
+        want = select.cap_by_parent(parents, want)
+        assert q_raw.tolist() == want_raw.tolist() and q.tolist() == want.tolist()
+        assert ranked.tolist() == select.rank_nodes(want).tolist()
+        assert path.tolist() == select.best_path(parents, want)
+        for k in range(n + 1):
+            relaid, tree = lay_out(par, ranked[:k])
+            want_relaid = select.relaid_parents(parents, ranked[:k].tolist())
+            assert relaid.tolist() == want_relaid
+            assert tree == (want_relaid != list(range(-1, k - 1)))
+    for v in range(n):   # a node without its parent, or before it: no layout
+        if parents[v] >= 0:
+            assert len(lay_out(par, np.asarray([v], np.int64))[0]) == 0
+            assert len(lay_out(par, np.asarray([v, parents[v]], np.int64))[0]) == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_compiled_tree_reading_equals_the_selection_functions(seed):
+    """tree_kernels.read_tree against select.accepted_path and
+    select.node_outcomes, with repeated sibling tokens, part of the tree
+    verified and emitted tokens from another verification."""
+    from vllm_plugins.proposers.draft_length.tree_kernels import read_tree, tree_depths
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 12))
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
+    tokens = rng.integers(0, 3, n)
+    par = np.asarray(parents, np.int64)
+    depth = tree_depths(par)
+    conf = rng.uniform(0, 1, n)
+    q_raw = select.path_probabilities(parents, rng.uniform(0.1, 1, n))
+    layout = select.rank_nodes(q_raw)
+    for num_draft in (0, n // 2, n, n + 3):
+        verified = layout[:min(num_draft, n)]
+        for _ in range(6):
+            emitted = rng.integers(0, 3, int(rng.integers(1, 5))).astype(np.int64)
+            found, verified_tree, root_hit, idx, j, c, x, q_used, q_x = read_tree(
+                tokens, par, depth, conf, q_raw, layout, num_draft, emitted)
+            v = len(verified)
+            chain = np.concatenate(([-1], verified[:-1]))
+            assert verified_tree == (v > 0 and not bool((par[verified] == chain).all()))
+            path = select.accepted_path(tokens, parents, verified, emitted)
+            assert found == (path is not None)
+            if path is None:
+                continue
+            observed, accepted = select.node_outcomes(tokens, parents, path, emitted, depth)
+            want = np.nonzero(observed)[0]
+            assert idx.tolist() == want.tolist()
+            assert j.tolist() == (depth[want] - 1).tolist()
+            assert c.tolist() == conf[want].tolist()
+            assert x.tolist() == accepted[want].astype(np.float64).tolist()
+            assert root_hit == bool(accepted[depth == 1].any())
+            on_path = np.zeros(n, bool)
+            on_path[path] = True
+            known = observed.copy()
+            known[verified] = True
+            assert q_used.tolist() == q_raw[known].tolist()
+            assert q_x.tolist() == np.where(observed, accepted, on_path)[known].tolist()
+
+
+def test_the_compiled_outcome_calibration_learns_as_bincount_did():
+    from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
+
+    rng = np.random.default_rng(0)
+    cal, s, e = OutcomeCalibrator(), np.zeros(12), np.zeros(12)
+    for _ in range(20):
+        q = rng.uniform(0, 1, int(rng.integers(2, 30)))
+        q[:2] = (0.1, 0.9)   # on edges
+        x = (rng.uniform(0, 1, len(q)) < q).astype(np.float64)
+        cal.learn(q, x)
+        b = np.searchsorted(cal.EDGES, q)
+        s = s * cal._decay + np.bincount(b, weights=x, minlength=12)
+        e = e * cal._decay + np.bincount(b, weights=q, minlength=12)
+        assert cal.s.tolist() == s.tolist() and cal.e.tolist() == e.tolist()
+
 def _step(req_id, context, accepted, num_draft, temperature=0.0):
     return RequestStep(req_id=req_id, accepted=np.asarray(accepted, np.int64),
                        context=np.asarray(context, np.int64), num_prompt_tokens=2,

@@ -10,8 +10,9 @@ import numpy as np
 from vllm_plugins.options import integer, number
 from vllm_plugins.proposers.draft_length.acceptance import EPS
 from vllm_plugins.proposers.draft_length.calibration_kernels import (apply_prefix, calibrated,
-                                                                    calibrated_at, learn_kept,
-                                                                    learn_prefix, prefix_probs,
+                                                                    calibrated_at, learn_buckets,
+                                                                    learn_kept, learn_prefix,
+                                                                    prefix_probs,
                                                                     remember_kept,
                                                                     remember_prefix)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
@@ -150,14 +151,9 @@ class OutcomeCalibrator:
         """One step's predictions ``q`` and their outcomes ``x`` (0/1)."""
         if len(q) == 0:
             return
-        q = np.asarray(q, np.float64)
-        b = np.searchsorted(self.EDGES, q)
-        nb = len(self.s)
         # In place: the prefix calibration's compiled step holds the arrays.
-        self.s *= self._decay
-        self.s += np.bincount(b, weights=x, minlength=nb)
-        self.e *= self._decay
-        self.e += np.bincount(b, weights=q, minlength=nb)
+        learn_buckets(np.asarray(q, np.float64), np.asarray(x, np.float64), self.EDGES,
+                      self.s, self.e, self._decay)
 
     def table(self) -> list[float]:
         k = self._STRENGTH

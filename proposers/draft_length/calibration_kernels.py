@@ -214,6 +214,22 @@ def learn_prefix(rows, n, m, q_used, edges, s, e, decay):
 
 
 @cached_njit
+def learn_buckets(q, x, edges, s, e, decay):
+    """``OutcomeCalibrator.learn``: predictions ``q`` and their outcomes
+    ``x`` summed per bucket in their order, added to ``s`` and ``e``
+    decayed once (numpy's ``bincount`` with weights, the same sums)."""
+    add_s = np.zeros(len(s))
+    add_e = np.zeros(len(s))
+    for i in range(len(q)):
+        b = _bucket(edges, q[i])
+        add_s[b] += x[i]
+        add_e[b] += q[i]
+    for b in range(len(s)):
+        s[b] = s[b] * decay + add_s[b]
+        e[b] = e[b] * decay + add_e[b]
+
+
+@cached_njit
 def apply_prefix(q, edges, s, e, strength, eps, out):
     """Calibrated prefix probabilities (``PrefixCalibrator.apply``) into
     ``out``: q times its bucket's factor, clipped, non-increasing along

@@ -27,15 +27,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vllm_plugins.proposers.draft_length.acceptance import EPS, clip
+from vllm_plugins.proposers.draft_length.acceptance import EPS
 from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.controllers import Observation, trim
 from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
+from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree, read_tree,
+                                                              tree_depths, well_formed)
 
 if TYPE_CHECKING:
     from vllm_plugins.step_context import Drafts, StepContext
 
 TREE, CHAIN = "tree", "chain"
+_NO_EDGES = np.zeros(0)
 
 
 def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
@@ -160,7 +163,6 @@ class TreeGoodputController(GoodputController):
         self._verified_a_tree = False
         if not self._sent:
             return None, None
-        select = _select()
         reqs = ctx.requests
         trees = np.zeros(len(reqs), dtype=bool)
         r_rows, r_counts, j_idx, conf, outcome, q_used, q_outcome = [], [], [], [], [], [], []
@@ -173,38 +175,36 @@ class TreeGoodputController(GoodputController):
             emitted = np.asarray(r.accepted, np.int64)
             if len(emitted) == 0 or len(r.context) - len(emitted) != sent.context_len:
                 continue   # not the step these drafts were verified in
-            verified = sent.layout[:min(int(r.num_draft), len(sent.layout))]
-            if sent.tree and len(verified) and not _is_chain(sent, len(verified)):
+            # The accepted path, the observed nodes (the root's children
+            # always) and their outcomes, and the path outcomes of the
+            # verified nodes and of the cut ones observed (tree_kernels).
+            found, verified_tree, root_hit, idx, depth_j, conf_i, outcome_i, q_i, x_i = \
+                read_tree(sent.tokens, sent.parents, sent.depth, sent.conf, sent.q_raw,
+                          sent.layout, int(r.num_draft), emitted)
+            if sent.tree and verified_tree:
                 self._verified_a_tree = True
-            path = select.accepted_path(sent.tokens, sent.parents, verified, emitted)
-            if path is None:
+            if not found:
                 continue
-            observed, accepted = select.node_outcomes(sent.tokens, sent.parents, path,
-                                                      emitted, sent.depth)
             if self.counting_free:
-                first = sent.depth == 1      # the root's children: always observed
-                roots.append(bool(accepted[first].any()))
-                roots_q.append(min(1.0, float(sent.q_raw[first].sum())))
-            idx = np.nonzero(observed)[0]
+                roots.append(root_hit)
+                roots_q.append(min(1.0, float(sent.q_raw[sent.depth == 1].sum())))
             r_rows.append(i)
             r_counts.append(len(idx))
-            j_idx.append(sent.depth[idx] - 1)
-            conf.append(sent.conf[idx])
-            outcome.append(accepted[idx].astype(np.float64))
+            j_idx.append(depth_j)
+            conf.append(conf_i)
+            outcome.append(outcome_i)
             self.tree_nodes_observed += len(idx)
-            # Path outcomes: verified nodes (on the accepted path or not)
-            # and the cut nodes observed above.
-            on_path = np.zeros(len(sent.tokens), dtype=bool)
-            on_path[path] = True
-            known = observed.copy()
-            known[verified] = True
-            x = np.where(observed, accepted, on_path)
-            q_used.append(sent.q_raw[known])
-            q_outcome.append(x[known].astype(np.float64))
+            q_used.append(q_i)
+            q_outcome.append(x_i)
         if roots:
             self._free_outcome(np.array(roots), np.array(roots_q))
         if not trees.any():
             return None, None
+        if len(r_rows) == 1:   # the common case: one tree read
+            if self.path_calibration is not None:
+                self.path_calibration.learn(q_used[0], q_outcome[0])
+            return trees, (np.full(r_counts[0], r_rows[0], np.int64), j_idx[0], conf[0],
+                           outcome[0])
         if self.path_calibration is not None and q_used:
             self.path_calibration.learn(np.concatenate(q_used), np.concatenate(q_outcome))
         if not r_rows:
@@ -243,9 +243,8 @@ class TreeGoodputController(GoodputController):
             if drafts.probs is not None and i < len(drafts.probs) \
                     and drafts.probs[i] is not None:
                 continue
-            par = np.asarray(drafts.parents[i][:n], np.int64)
-            if len(par) == n and len(drafts.confidence[i]) >= n and \
-                    bool(np.all((par >= -1) & (par < np.arange(n)))):
+            if len(drafts.confidence[i]) >= n and \
+                    well_formed(np.asarray(drafts.parents[i][:n], np.int64), n):
                 out[i] = True
         return out
 
@@ -257,14 +256,15 @@ class TreeGoodputController(GoodputController):
         rows = self._rows(ctx, lengths, observation)
         chain_lengths = np.where(trees, 0, lengths)
         tree_rows = self._candidates(rows, drafts, lengths, trees)
-        batch, chain_width = len(lengths), int(chain_lengths.max())
-        width = max(chain_width, int(lengths[trees].max()))
+        # A few rows: Python's max is cheaper than numpy's reduction.
+        batch, chain_width = len(lengths), max(chain_lengths.tolist())
+        width = max(chain_width, max(len(t.tokens) for t in tree_rows))
         q = np.zeros((batch, width))
         q_raw = conf = None
         if chain_width:
             qc, q_raw, conf = self._prefix_probs(rows, drafts, chain_width, observation)
             q[:, :chain_width] = np.where(trees[:, None], 0.0, qc)
-        valid = np.arange(width)[None, :] < chain_lengths[:, None]
+        valid = self._prefixes[chain_lengths, :width]
         q_chain, valid_chain = q.copy(), valid.copy()
         lengths_chain = chain_lengths.copy()
         for t in tree_rows:
@@ -279,7 +279,7 @@ class TreeGoodputController(GoodputController):
             keep = self._choose(lengths, q, valid, observation)
         finally:
             self._step_trees = None
-        keep = np.minimum(keep, np.where(step.mode == TREE, lengths, lengths_chain))
+        keep = np.minimum(keep, lengths if step.mode == TREE else lengths_chain)
         kept = self._settle(rows, drafts, chain_lengths, np.where(trees, 0, keep), bound,
                             q_raw, conf)
         self._lay_out(ctx, rows, step, keep)
@@ -289,31 +289,36 @@ class TreeGoodputController(GoodputController):
                     trees: np.ndarray) -> list[TreeRow]:
         """Each tree row's nodes with their calibrated path probabilities,
         ranked (the tree shape) and its best path (the chain shape)."""
-        select = _select()
         idx = np.nonzero(trees)[0]
         parts = []
         for i in idx:
             n = int(lengths[i])
-            par = [int(p) for p in drafts.parents[i][:n]]
-            parts.append((np.asarray(drafts.tokens[i][:n], np.int64), np.asarray(par, np.int64),
-                          np.asarray(select.depths(par), np.int64),
+            parents = np.asarray(drafts.parents[i][:n], np.int64)
+            parts.append((np.asarray(drafts.tokens[i][:n], np.int64), parents,
+                          tree_depths(parents),
                           np.asarray(drafts.confidence[i][:n], np.float64)))
-        sizes = [len(p[0]) for p in parts]
-        slot = np.repeat(rows[idx], sizes)
-        depth = np.concatenate([p[2] for p in parts])
-        cond = self.calibrator.calibrate_at(slot, depth - 1,
-                                            np.concatenate([p[3] for p in parts]))
+        if len(parts) == 1:   # the common case: one tree row
+            sizes = [len(parts[0][0])]
+            slot = np.full(sizes[0], rows[idx[0]], np.int64)
+            depth, conf_all = parts[0][2], parts[0][3]
+        else:
+            sizes = [len(p[0]) for p in parts]
+            slot = np.repeat(rows[idx], sizes)
+            depth = np.concatenate([p[2] for p in parts])
+            conf_all = np.concatenate([p[3] for p in parts])
+        cond = self.calibrator.calibrate_at(slot, depth - 1, conf_all)
+        cal = self.path_calibration
+        calibrate = cal is not None
+        edges = OutcomeCalibrator.EDGES if calibrate else _NO_EDGES
+        s, e = (cal.s, cal.e) if calibrate else (_NO_EDGES, _NO_EDGES)
+        strength = OutcomeCalibrator._STRENGTH
         out, start = [], 0
         for i, (tokens, parents, d, conf), n in zip(idx, parts, sizes):
-            par = parents.tolist()
-            q_raw = select.path_probabilities(par, cond[start:start + n])
+            q_raw, q, ranked, path = price_tree(parents, cond[start:start + n], calibrate,
+                                                edges, s, e, strength, EPS, 1.0 - EPS)
             start += n
-            q = q_raw
-            if self.path_calibration is not None:
-                q = clip(q_raw * self.path_calibration.factor(q_raw), EPS, 1.0 - EPS)
-            q = select.cap_by_parent(par, q)
-            out.append(TreeRow(int(i), tokens, parents, d, conf, q_raw, q,
-                               select.rank_nodes(q), select.best_path(par, q)))
+            out.append(TreeRow(int(i), tokens, parents, d, conf, q_raw, q, ranked,
+                               path.tolist()))
         return out
 
     def _choose(self, lengths, q, valid, observation) -> np.ndarray:
@@ -353,22 +358,24 @@ class TreeGoodputController(GoodputController):
                  keep: np.ndarray) -> None:
         """Each tree row's kept nodes in the order sent, and what its next
         step is read against."""
-        select = _select()
         kept_any = False
         for t in step.rows:
             k = int(keep[t.index])
             if step.mode == TREE:
-                nodes = [int(v) for v in t.ranked[:k]]
-                parents = select.relaid_parents(t.parents, nodes)
+                layout = t.ranked[:k]
+                relaid, tree = lay_out(t.parents, layout)
+                if len(relaid) != k:
+                    _select().relaid_parents(t.parents, layout)   # raises, naming the node
+                nodes, parents = layout.tolist(), relaid.tolist()
             else:
                 nodes = t.path[:k]
                 parents = list(range(-1, k - 1))
+                layout, tree = np.asarray(nodes, np.int64), False
             self._layouts[t.index] = (nodes, parents)
             self._kept_nodes[ctx.requests[t.index].req_id] = k
             r = ctx.requests[t.index]
             self._sent[r.req_id] = SentTree(
-                t.tokens, t.parents, t.depth, t.conf, t.q_raw, np.asarray(nodes, np.int64),
-                parents != list(range(-1, k - 1)), len(r.context))
+                t.tokens, t.parents, t.depth, t.conf, t.q_raw, layout, tree, len(r.context))
             self.tree_rows += 1
             self.tree_nodes_offered += len(t.tokens)
             self.tree_nodes_kept += k
@@ -402,11 +409,3 @@ def _select():
 
     return select
 
-
-def _is_chain(sent: SentTree, n: int) -> bool:
-    """Whether the first n nodes sent form a chain (vLLM's own path)."""
-    layout = sent.layout[:n]
-    chain = np.concatenate(([-1], layout[:-1]))
-    if len(layout) != len(chain):   # n = 0: no node is no chain
-        return False
-    return bool((sent.parents[layout] == chain).all())

@@ -57,3 +57,9 @@ def warm_up(controller: DraftLengthController) -> None:
         n = min(depth, 1 + step % depth) if offered else 0
         drafts = Drafts([list(range(n))], confidence=[np.full(n, 0.6)])
         kept = len(twin.shape(ctx, drafts, observation).tokens[0])
+    from vllm_plugins.proposers.draft_length.tree_goodput import TreeGoodputController
+
+    if isinstance(twin, TreeGoodputController):
+        from vllm_plugins.proposers.draft_length import tree_kernels
+
+        tree_kernels.warm_up()   # its per-tree loops, which synthetic chains never reach
