@@ -14,6 +14,7 @@ non-negative; destinations are distinct.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_plugins.kernels.triton_support import jit, next_power_of_2, triton, triton_usable
@@ -201,6 +202,68 @@ def move_kv_layers(key_caches: list[torch.Tensor], value_caches: list[torch.Tens
         return
     for key_cache, value_cache in zip(key_caches, value_caches):
         move_kv_torch(key_cache, value_cache, src_slots, dst_slots)
+
+
+# Integer dtypes by element size: a host cache's elements are moved as bits.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_elements(cache: torch.Tensor):
+    """A contiguous CPU cache tensor's elements as a flat numpy array of
+    integers of their size (its memory, viewed; numpy has no bfloat16), or
+    None where it cannot be viewed so."""
+    bits = _BITS.get(cache.element_size())
+    if bits is None or not cache.is_cpu or not cache.is_contiguous():
+        return None
+    return cache.view(bits).numpy().reshape(-1)
+
+
+def slot_elements(key_cache: torch.Tensor, value_cache: torch.Tensor, base: torch.Tensor,
+                  slots: np.ndarray) -> np.ndarray:
+    """Where each slot's keys and values sit in ``base``'s memory (the views
+    ``[num_blocks, block_size, kv_heads, head_size]`` of it that
+    ``key_cache`` and ``value_cache`` are, any strides): element offsets
+    from its first element, [slots, 2, kv_heads, head_size] flattened."""
+    _, block_size, kv_heads, head_size = key_cache.shape
+    block, offset = np.divmod(np.asarray(slots, np.int64), block_size)
+    within = np.arange(kv_heads)[:, None], np.arange(head_size)[None, :]
+    parts = []
+    for view in (key_cache, value_cache):
+        s0, s1, s2, s3 = view.stride()
+        start = view.storage_offset() - base.storage_offset()
+        rows = start + block * s0 + offset * s1
+        parts.append(rows[:, None, None] + (within[0] * s2 + within[1] * s3)[None])
+    return np.stack(parts, axis=1).reshape(-1)
+
+
+def move_kv_host(layers, src_slots, dst_slots) -> None:
+    """``move_kv_layers`` on CPU caches as numpy moves of their memory: per
+    layer one gather of every source element (a copy, so sources are read
+    before any destination is written) and one scatter. ``layers``: (base,
+    key_cache, value_cache, ``host_elements(base)``) per layer, the caches
+    views of base; layers of one layout share the offsets."""
+    src_slots = np.asarray(src_slots, np.int64)
+    dst_slots = np.asarray(dst_slots, np.int64)
+    if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
+        raise ValueError(f"src_slots and dst_slots must be 1-D of one length, got "
+                         f"{src_slots.shape} and {dst_slots.shape}")
+    if len(src_slots) == 0:
+        return
+    offsets: dict = {}
+    for base, key_cache, value_cache, flat in layers:
+        if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+            raise ValueError("key_cache and value_cache must both be [num_blocks, "
+                             f"block_size, kv_heads, head_size], got "
+                             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+        layout = (key_cache.shape, key_cache.stride(), value_cache.stride(),
+                  key_cache.storage_offset() - base.storage_offset(),
+                  value_cache.storage_offset() - base.storage_offset())
+        got = offsets.get(layout)
+        if got is None:
+            got = offsets[layout] = (
+                slot_elements(key_cache, value_cache, base, src_slots),
+                slot_elements(key_cache, value_cache, base, dst_slots))
+        flat[got[1]] = flat[got[0]]
 
 
 def move_kv(key_cache: torch.Tensor, value_cache: torch.Tensor,

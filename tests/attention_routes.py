@@ -5,10 +5,13 @@ through ``LLM.collective_rpc`` on an in-process engine."""
 
 
 def tree_routes(worker) -> dict:
-    """The runner's attention layers, how many carry the tree route, and
-    which of the runner's own tree patches it carries."""
+    """The runner's attention layers, how many the tree route holds ready
+    (put on them for a tree step's forward alone: between steps none carries
+    a wrapper of ours), and which of the runner's own tree patches it
+    carries."""
     from vllm_plugins.bridge.patches import named
     from vllm_plugins.bridge.patching import applied_to
+    from vllm_plugins.bridge.state import state_of
     from vllm_plugins.bridge.v1.runner import ATTENTION_TREE_ROUTE, RUNNER_TREE_ROUTE
 
     runner = worker.model_runner
@@ -16,6 +19,10 @@ def tree_routes(worker) -> dict:
     owner, attr = attention.owner_and_attr()
     impls = [m.impl for m in runner.get_model().modules()
              if isinstance(getattr(m, "impl", None), owner)]
-    assert not any(attr in vars(i) and not applied_to(attention, i) for i in impls)
-    return {"layers": len(impls), "routed_layers": sum(applied_to(attention, i) for i in impls),
+    assert not any(attr in vars(i) for i in impls)
+    state = state_of(runner)
+    held = state.tree_attention if state is not None else None
+    ready = set() if held is None else {id(method.__self__) for _, method in held.bound}
+    assert held is None or held.patch is attention
+    return {"layers": len(impls), "routed_layers": sum(id(i) in ready for i in impls),
             "runner": [n for n in RUNNER_TREE_ROUTE if applied_to(named(n), runner)]}

@@ -251,6 +251,27 @@ def test_move_kv_layers_twin_on_cpu():
     check_move_kv_layers("dispatch")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_move_kv_host_moves_what_the_twin_moves(dtype):
+    """The bridge's host move (numpy over each CPU cache's memory) leaves
+    every layer's cache as the torch twin does, sources read before a
+    destination that is another pair's source is written."""
+    gen = torch.Generator().manual_seed(5)
+    layers, expect = [], []
+    src, dst = [5, 40, 33, 64 + 3], [33, 41, 42, 70]
+    for _ in range(3):
+        kv = torch.randn(12, 2, 32, 2 * 64, generator=gen).to(dtype)
+        key, value = cpu_cache_views(kv)
+        layers.append((kv, key, value, kv_move.host_elements(kv)))
+        k, v = key.clone(), value.clone()
+        kv_move.move_kv_torch(k, v, torch.tensor(src), torch.tensor(dst))
+        expect.append((k, v))
+    kv_move.move_kv_host(layers, src, dst)
+    for (_, key, value, _), (k, v) in zip(layers, expect):
+        assert torch.equal(key, k) and torch.equal(value, v)
+    assert kv_move.host_elements(torch.zeros(4, 4).t()) is None
+
+
 # ---------------------------------------------------------------- the interpreted run
 
 def interpreted_checks() -> dict:

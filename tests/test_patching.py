@@ -114,3 +114,28 @@ def test_a_per_instance_patch_reaches_only_the_objects_it_is_put_on(target):
     assert not patch.is_applied()
     with pytest.raises(RuntimeError, match="not an applied per-instance patch"):
         apply_to(patch, target.Thing())
+
+
+def test_a_held_per_instance_patch_is_on_its_objects_only_between_on_and_off(target):
+    from vllm_plugins.bridge.patching import applied_to, hold
+
+    patch = Patch("t.held", "vp_patch_target:Thing.run", "", "pin", doubling,
+                  per_instance=True)
+    assert apply([patch]) == ["t.held"]
+    chosen, other = [target.Thing(), target.Thing()], target.Thing()
+    held = hold(patch, chosen)
+    assert len(held) == 2 and held.patch is patch
+    assert [t.run(1) for t in chosen] == [2, 2] and "run" not in vars(chosen[0])
+    held.on()
+    assert [t.run(1) for t in chosen] == [4, 4] and other.run(1) == 2
+    assert all(applied_to(patch, t) for t in chosen) and not applied_to(patch, other)
+    held.off()
+    assert [t.run(1) for t in chosen] == [2, 2]
+    assert not any("run" in vars(t) for t in chosen)
+    held.off()   # twice is harmless
+    with pytest.raises(TypeError, match="Thing objects"):
+        hold(patch, [object()])
+    own = target.Thing()
+    own.run = lambda x: x
+    with pytest.raises(RuntimeError, match="already carries its own run"):
+        hold(patch, [own])

@@ -268,7 +268,7 @@ def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
 
     from vllm_plugins.bridge.patching import MARK, applied_to
     from vllm_plugins.bridge.patches import named
-    from vllm_plugins.bridge.state import attach
+    from vllm_plugins.bridge.state import attach, state_of
     from vllm_plugins.bridge.v1 import runner as bridge_runner
     from vllm_plugins.bridge.v1 import step
 
@@ -291,8 +291,10 @@ def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
         return runner, impls
 
     def routed(runner, impls):
+        held = state_of(runner).tree_attention
+        ready = [] if held is None else [m.__self__ for _, m in held.bound]
         return ([applied_to(p, runner) for p in runner_route],
-                [applied_to(attention, i) for i in impls])
+                [any(i is r for r in ready) for i in impls])
 
     tree_runner, tree_impls = fake_runner()
     chain_runner, chain_impls = fake_runner()
@@ -317,7 +319,24 @@ def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
     assert all("forward" not in vars(i) for i in chain_impls)
 
     assert tree_runner._prepare_inputs.__func__ is runner_route[0].replacement()
-    assert tree_impls[0].forward.__func__ is attention.replacement()
+    # The attention route is on the layers for a tree step's forward alone.
+    assert all("forward" not in vars(i) for i in tree_impls)
+    during = []
+
+    def forward(runner):
+        during.append([vars(i).get("forward") for i in tree_impls])
+
+    model_forward = bridge_runner.wrap_model_forward(forward)
+    tree_state = state_of(tree_runner)
+    tree_state.tree_step = object()
+    with mock.patch.object(tree_step, "enter_forward", lambda plan: None):
+        model_forward(tree_runner)
+        tree_state.tree_step = None
+        model_forward(tree_runner)
+    assert [m.__func__ for m in during[0]] == [attention.replacement()] * 3
+    assert [m.__self__ for m in during[0]] == tree_impls
+    assert during[1] == [None] * 3
+    assert all("forward" not in vars(i) for i in tree_impls)
 
 
 def test_kv_move_puts_the_accepted_path_at_chain_slots():

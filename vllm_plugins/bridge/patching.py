@@ -12,7 +12,9 @@ A patch made ``per_instance`` leaves the class as vLLM wrote it: ``apply``
 checks the attribute and builds the replacement once, and the bridge puts
 it on the objects that need it (``apply_to``). What runs in every engine
 (an attention layer's forward, say) then costs nothing in the engines that
-never use it.
+never use it. ``hold`` keeps such a patch ready for chosen objects, to put on
+around the calls that need it and take off after: between them the objects
+run vLLM's attribute with no frame of ours.
 """
 
 from __future__ import annotations
@@ -135,6 +137,16 @@ def apply(patches: tuple[Patch, ...] | list[Patch]) -> list[str]:
 def apply_to(patch: Patch, obj: Any) -> bool:
     """Puts an applied per-instance patch's replacement on ``obj``, an
     instance of its class, bound to it; returns whether ``obj`` lacked it."""
+    attr = _instance_attr(patch, obj)
+    if applied_to(patch, obj):
+        return False
+    setattr(obj, attr, types.MethodType(patch.replacement(), obj))
+    return True
+
+
+def _instance_attr(patch: Patch, obj: Any) -> str:
+    """The attribute an applied per-instance patch replaces on ``obj``;
+    raises where it cannot go there."""
     if not patch.per_instance or not patch.is_applied():
         raise RuntimeError(f"patch '{patch.name}' is not an applied per-instance patch")
     owner, attr = patch.owner_and_attr()
@@ -146,10 +158,49 @@ def apply_to(patch: Patch, obj: Any) -> bool:
         # subclass's own.
         raise TypeError(f"{type(obj).__qualname__} overrides {attr}, which patch "
                         f"'{patch.name}' replaces on {owner.__qualname__} objects")
-    if applied_to(patch, obj):
-        return False
-    setattr(obj, attr, types.MethodType(patch.replacement(), obj))
-    return True
+    return attr
+
+
+class Held:
+    """An applied per-instance patch held ready for chosen objects
+    (``hold``): ``on`` puts its replacement, bound to each, on them all,
+    ``off`` takes it off again, so that outside the calls that need it they
+    run the class's attribute with no frame of ours. Both are a dictionary
+    write per object: cheap enough for every call that needs it."""
+
+    __slots__ = ("patch", "attr", "bound")
+
+    def __init__(self, patch: Patch, attr: str, bound: tuple):
+        self.patch, self.attr, self.bound = patch, attr, bound
+
+    def __len__(self) -> int:
+        return len(self.bound)
+
+    def on(self) -> None:
+        attr = self.attr
+        for namespace, method in self.bound:
+            namespace[attr] = method
+
+    def off(self) -> None:
+        attr = self.attr
+        for namespace, _ in self.bound:
+            namespace.pop(attr, None)
+
+
+def hold(patch: Patch, objs) -> Held:
+    """``patch`` held ready for ``objs`` (each an instance of its class, as
+    ``apply_to`` checks), off until ``Held.on``; its replacement is bound to
+    each object once, here."""
+    objs = list(objs)
+    attrs = {_instance_attr(patch, obj) for obj in objs}
+    attr = attrs.pop() if attrs else patch.owner_and_attr()[1]
+    for obj in objs:
+        if attr in vars(obj):
+            raise RuntimeError(f"{type(obj).__qualname__} object already carries its own "
+                               f"{attr}; patch '{patch.name}' cannot be held for it")
+    replacement = patch.replacement()
+    return Held(patch, attr, tuple((vars(obj), types.MethodType(replacement, obj))
+                                   for obj in objs))
 
 
 def applied_to(patch: Patch, obj: Any) -> bool:

@@ -96,9 +96,15 @@ class RunnerState:
     tree_step: object = None
     tree_refusal: str | None = None
     tree_layout_checked: bool = False
-    # Whether this runner and its attention layers carry the tree route
-    # (bridge/v1/runner.py:route_trees), put there at its first tree.
+    # Whether this runner carries the tree route (bridge/v1/runner.py:
+    # route_trees), put there at its first tree; the attention route held
+    # ready for its attention layers (patching.Held, on during a tree step's
+    # forward only); and each layer's cache views, by id of its K/V cache
+    # (bridge/v1/tree_step.py:cache_views_of: the tensor lives as long as
+    # the engine).
     trees_routed: bool = False
+    tree_attention: object = None
+    cache_views: dict = field(default_factory=dict)
     # Whether a malformed draft of this runner's proposer was logged, and a
     # draft the tensor-parallel ranks disagreed on.
     malformed_logged: bool = False

@@ -69,9 +69,15 @@ def draw(probs: torch.Tensor, generator=None) -> int:
 
 def first_argmax(rows: torch.Tensor) -> torch.Tensor:
     """Per row the index of its first maximum, as ``argmax(dim=-1)`` gives
-    it (ties to the lowest index, as vLLM's greedy sampler takes them), read
-    from ``max``, which torch's CPU kernels compute faster than argmax over a
-    vocabulary."""
+    it (ties to the lowest index, as vLLM's greedy sampler takes them; a NaN
+    counts as the maximum). On the CPU numpy's ``argmax`` reads it, a
+    vectorised pass an order of magnitude faster than torch's ``max`` or
+    ``argmax`` over a vocabulary (bfloat16 rows, which numpy lacks, are
+    read as float32, which orders them alike); elsewhere ``max``."""
+    if rows.is_cpu and rows.ndim == 2:
+        if rows.dtype not in (torch.float32, torch.float64, torch.float16):
+            rows = rows.float()
+        return torch.from_numpy(np.argmax(rows.numpy(), axis=-1))
     return rows.max(dim=-1).indices
 
 

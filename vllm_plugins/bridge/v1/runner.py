@@ -4,14 +4,17 @@ Each wrapper below first looks for our ``RunnerState`` on the runner and,
 where there is none (plain decoding, vLLM's own drafters), calls vLLM's code
 and does nothing else. The tree step's wrappers (``_prepare_inputs``,
 ``_model_forward``, each attention layer's forward) are not even there
-until the runner's proposer drafts its first tree (``route_trees``). Data
-flow inside one step of a runner that drafts with one of our proposers:
+until the runner's proposer drafts its first tree (``route_trees``), and
+the attention wrapper is on the layers only during a tree step's forward.
+Data flow inside one step of a runner that drafts with one of our proposers:
 
   execute_model           -> note the step's start (the cost model's clock)
   _prepare_inputs         -> a tree step: rotary positions by depth, the
                              ancestry masks for attention (tree_step.py)
   _model_forward          -> a tree step: its plan enters vLLM's forward
-                             context, where attention reads it
+                             context, where attention reads it, and the
+                             attention wrapper goes on every layer for
+                             that forward alone
   _sample                 -> take the target's top-k per verified row
                              before vLLM samples (grammar masks applied);
                              a tree step: accept paths, move their K/V
@@ -159,6 +162,7 @@ def wrap_prepare_inputs(original):
             batch.block_table[0].slot_mapping.gpu[:total].cpu().numpy())
         state.tree_step = plan
         if plan is not None:
+            plan.cache_views = state.cache_views
             tree_step.depth_positions(plan, self.positions)
         return out
 
@@ -169,13 +173,24 @@ def wrap_model_forward(original):
     # GPUModelRunner._model_forward(self, input_ids, positions, ...): the
     # step's forward, which execute_model calls inside the ForwardContext it
     # opened with set_forward_context (dummy and profiling runs call
-    # self.model instead). The attention wrapper has no runner to ask.
+    # self.model instead). The attention wrapper has no runner to ask: the
+    # plan reaches it through that context, and it is on the runner's
+    # attention layers for a tree step's forward alone (the other steps'
+    # layers run vLLM's forward with no frame of ours).
     @functools.wraps(original)
     def _model_forward(self, *args, **kwargs):
         state = state_of(self)
-        if state is not None and state.tree_step is not None:
-            tree_step.enter_forward(state.tree_step)
-        return original(self, *args, **kwargs)
+        if state is None or state.tree_step is None:
+            return original(self, *args, **kwargs)
+        tree_step.enter_forward(state.tree_step)
+        attention = state.tree_attention
+        if attention is None:
+            return original(self, *args, **kwargs)
+        attention.on()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            attention.off()
 
     return _model_forward
 
@@ -187,23 +202,24 @@ ATTENTION_TREE_ROUTE = "tree.cpu_attention"
 
 
 def route_trees(runner, state) -> None:
-    """Puts the tree route on this runner and its attention layers, once,
-    when its proposer has drafted its first tree: that tree is verified at
-    the next step, whose ``_prepare_inputs`` plans it. An engine that never
-    drafts a tree (chains, vLLM's own drafters, plain decoding) keeps
+    """Puts the tree route on this runner, once, when its proposer has
+    drafted its first tree: that tree is verified at the next step, whose
+    ``_prepare_inputs`` plans it; and holds the attention route ready for
+    its attention layers (``patching.hold``), which ``_model_forward`` puts
+    on them for each tree step's forward and takes off after. An engine that
+    never drafts a tree (chains, vLLM's own drafters, plain decoding) keeps
     vLLM's methods and attention as they are, at no cost per step or per
-    layer."""
+    layer, and so does a routed runner's step that verifies no tree."""
     from vllm_plugins.bridge.patches import named
-    from vllm_plugins.bridge.patching import apply_to
+    from vllm_plugins.bridge.patching import apply_to, hold
 
     for name in RUNNER_TREE_ROUTE:
         apply_to(named(name), runner)
     attention = named(ATTENTION_TREE_ROUTE)
     owner, _ = attention.owner_and_attr()
-    for module in runner.get_model().modules():
-        impl = getattr(module, "impl", None)
-        if isinstance(impl, owner):
-            apply_to(attention, impl)
+    state.tree_attention = hold(attention, [
+        module.impl for module in runner.get_model().modules()
+        if isinstance(getattr(module, "impl", None), owner)])
     state.trees_routed = True
 
 
@@ -211,8 +227,9 @@ def wrap_cpu_attention(original):
     # CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
     #     attn_metadata, output, ...) -> output: attention only (the backend's
     # forward_includes_kv_cache_update is False: vLLM wrote this step's K/V
-    # before). In a tree step, tree requests' rows by their ancestry masks,
-    # the other requests' by vLLM's forward over them alone.
+    # before). On a layer during a tree step's forward only (route_trees):
+    # tree requests' rows by their ancestry masks, the other requests' by
+    # vLLM's forward over them alone.
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 *args, **kwargs):
@@ -274,15 +291,16 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
     counters = state_of(runner).counters
     if only_trees(runner, plan, num_draft):
         # Every row is a tree row, in order, and vLLM's sampler (which may
-        # process logits in place) does not run: the rows need no copy.
-        tree_logits = logits.float()
+        # process logits in place) does not run: the rows need no copy
+        # (acceptance reads them in float32: tree_step.accept).
+        tree_logits = logits
         out = tree_step.empty_output(len(num_draft), spec_decode_metadata.max_spec_len,
                                      logits.device)
         counters.tree_only_steps += 1
     else:
         index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
                            for s, r in zip(starts, plan.requests)]).to(logits.device)
-        tree_logits = logits.index_select(0, index).float()
+        tree_logits = logits.index_select(0, index)
         held = held_generators(plan, runner.input_batch.sampling_metadata)
         out = original(runner, logits, spec_decode_metadata)
         for generator, state in held:
@@ -297,7 +315,7 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
         s, d = tree_step.kv_moves(r, a.nodes)
         src += s
         dst += d
-    tree_step.move_accepted_kv(runner.kv_caches, src, dst)
+    tree_step.move_accepted_kv(runner.kv_caches, src, dst, plan.cache_views)
     counters.tree_steps += 1
     counters.tree_requests += len(plan.requests)
     counters.kv_moved += len(src)

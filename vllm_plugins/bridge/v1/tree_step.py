@@ -14,7 +14,8 @@ each request whose scheduled drafts are a prefix of the tree we recorded:
    rewritten to ``num_computed + depth`` (the root, the request's last
    committed token, at depth 0). The runner's forward hands the plan to
    attention through vLLM's forward context (``enter_forward``), which
-   vLLM opens for that forward alone.
+   vLLM opens for that forward alone, and puts the attention wrapper on its
+   layers for that forward only.
 2. ``attend`` (in place of vLLM's attention of each layer): the rows of
    tree requests come from ``kernels.tree_attention`` (each node sees the
    committed prefix, its ancestors and itself), the other requests' from
@@ -42,7 +43,7 @@ import torch
 from vllm import forward_context
 
 from vllm_plugins.kernels.cache_layout import cpu_cache_views, layout_refusal
-from vllm_plugins.kernels.kv_move import move_kv_layers
+from vllm_plugins.kernels.kv_move import host_elements, move_kv_host, move_kv_layers
 from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
                                                  tree_attention_planned)
 from vllm_plugins.tree import acceptance
@@ -132,6 +133,9 @@ class TreeStep:
     num_tokens: int  # tokens of the whole step (attention's sanity check)
     # id(attention metadata) -> StepAttention, planned at a group's first layer
     attention: dict = field(default_factory=dict)
+    # Each layer's cache views (``cache_views_of``): the runner's, which
+    # outlive the step (a cache tensor lives as long as the engine).
+    cache_views: dict = field(default_factory=dict)
 
 
 # Where a forward's plan sits in vLLM's ForwardContext.additional_kwargs.
@@ -321,8 +325,20 @@ def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Ten
         part = output.new_empty((rows.numel(), *output.shape[1:]))
         vllm_attention(query.index_select(0, rows), planned.other_metadata, part)
         output.index_copy_(0, rows, part)
-    key_cache, value_cache = cpu_cache_views(kv_cache)
+    _, key_cache, value_cache, _ = cache_views_of(step.cache_views, kv_cache)
     tree_attention_planned(query, key_cache, value_cache, planned.tree, impl.scale, output)
+
+
+def cache_views_of(views: dict, kv_cache: torch.Tensor) -> tuple:
+    """(kv_cache, key view, value view, its elements as a numpy array or
+    None: ``kernels.kv_move.host_elements``) of a layer's CPU cache
+    (``cpu_cache_views``), made at its first use and kept in ``views`` by
+    the tensor's id (the entry holds the tensor, so the id stays its own)."""
+    got = views.get(id(kv_cache))
+    if got is None or got[0] is not kv_cache:
+        got = views[id(kv_cache)] = (kv_cache, *cpu_cache_views(kv_cache),
+                                     host_elements(kv_cache))
+    return got
 
 
 def unsupported_attention(impl) -> str | None:
@@ -385,9 +401,10 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
     (``vllm_plugins.tree.acceptance.TreeAcceptance``), in ``step`` order.
 
     ``tree_logits``: the target's rows of the tree requests only, packed
-    (root row, then one per node), taken before vLLM's sampler ran. Greedy
-    requests take the argmax, as vLLM's greedy sampler does on requests
-    without logits processors (``tree_allowed``); sampled ones sample from
+    (root row, then one per node), taken before vLLM's sampler ran, in the
+    logits' dtype (read in float32 here). Greedy requests take the argmax,
+    as vLLM's greedy sampler does on requests without logits processors
+    (``tree_allowed``); sampled ones sample from
     vLLM's own processing of those rows (temperature, top-k, top-p:
     ``apply_sampling_constraints``), each seeded request with its own
     generator (``sampling_metadata.generators``, keyed by batch index)."""
@@ -463,21 +480,28 @@ def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
     return src, dst
 
 
-def move_accepted_kv(kv_caches, src: list[int], dst: list[int]) -> None:
+def move_accepted_kv(kv_caches, src: list[int], dst: list[int],
+                     views: dict | None = None) -> None:
     """Every attention layer's K/V from src slots to dst slots (CPU layout),
     all layers in one call (``move_kv_layers``: one pair of launches on a
-    GPU)."""
+    GPU; host caches as numpy moves of their memory, ``move_kv_host``).
+    ``views``: the runner's kept cache views (``cache_views_of``)."""
     if not src:
         return
+    if views is None:
+        views = {}
     seen = set()
-    keys, values = [], []
+    layers = []
     for cache in kv_caches:
         if cache is None or cache.data_ptr() in seen:
             continue  # layers sharing one cache move it once
         seen.add(cache.data_ptr())
-        key, value = cpu_cache_views(cache)
-        keys.append(key)
-        values.append(value)
+        layers.append(cache_views_of(views, cache))
+    if layers and all(layer[3] is not None for layer in layers):
+        move_kv_host(layers, src, dst)
+        return
+    keys = [layer[1] for layer in layers]
+    values = [layer[2] for layer in layers]
     if keys:
         device = keys[0].device
         move_kv_layers(keys, values, torch.tensor(src, dtype=torch.int64, device=device),
