@@ -199,16 +199,29 @@ def test_compiled_tree_pricing_and_layout_equal_the_selection_functions(seed):
     n = int(rng.integers(1, 20))
     parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, n)]
     par = np.asarray(parents, np.int64)
-    cond = rng.choice([0.2, 0.5, 0.9], n) if seed % 3 == 0 else rng.uniform(0.01, 1.0, n)
+    conf = rng.choice([0.2, 0.5, 0.9], n) if seed % 3 == 0 else rng.uniform(0.01, 1.0, n)
     assert tree_depths(par).tolist() == depths(parents)
     assert well_formed(par, n) and not well_formed(par, n + 1)
     assert not well_formed(np.asarray(parents[:-1] + [n - 1], np.int64), n)
+    # A confidence calibration that has learned something, at slot row 1.
+    controller = tree_controller(8)
+    confidence = controller.calibrator
+    row = 1
+    for _ in range(3):
+        confidence.slots.arrays["cal_s"][row] += rng.uniform(0, 3)
+        confidence.slots.arrays["cal_e"][row] += rng.uniform(0, 3)
+        confidence.gps[:] += rng.uniform(0, 1, confidence.gps.shape)
+        confidence.gpn[:] += rng.uniform(1, 2, confidence.gpn.shape)
+    cond = confidence.calibrate_at(np.full(n, row), tree_depths(par) - 1, conf)
+    tables = (*confidence.kernel_state()[1:8], EPS)
     cal = OutcomeCalibrator()
     cal.s[:] = rng.uniform(0, 5, len(cal.s))
     cal.e[:] = rng.uniform(0, 5, len(cal.e))
     for calibrate in (False, True):
-        q_raw, q, ranked, path = price_tree(par, cond, calibrate, cal.EDGES, cal.s, cal.e,
-                                            cal._STRENGTH, EPS, 1.0 - EPS)
+        depth, q_raw, q, ranked, path, q_ranked, q_path = price_tree(
+            par, conf, row, confidence.depth - 1, *tables, calibrate, cal.EDGES, cal.s,
+            cal.e, cal._STRENGTH, EPS, 1.0 - EPS)
+        assert depth.tolist() == depths(parents)
         want_raw = select.path_probabilities(parents, cond)
         want = want_raw
         if calibrate:
@@ -217,6 +230,8 @@ def test_compiled_tree_pricing_and_layout_equal_the_selection_functions(seed):
         assert q_raw.tolist() == want_raw.tolist() and q.tolist() == want.tolist()
         assert ranked.tolist() == select.rank_nodes(want).tolist()
         assert path.tolist() == select.best_path(parents, want)
+        assert q_ranked.tolist() == want[ranked].tolist()
+        assert q_path.tolist() == want[path].tolist()
         for k in range(n + 1):
             relaid, tree = lay_out(par, ranked[:k])
             want_relaid = select.relaid_parents(parents, ranked[:k].tolist())

@@ -32,7 +32,7 @@ from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.controllers import Observation, trim
 from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
 from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree, read_tree,
-                                                              tree_depths, well_formed)
+                                                              well_formed)
 
 if TYPE_CHECKING:
     from vllm_plugins.step_context import Drafts, StepContext
@@ -82,6 +82,8 @@ class TreeRow:
     q: np.ndarray           # as the rule reads it (non-increasing down a path)
     ranked: np.ndarray      # the tree shape's node order
     path: list[int]         # the chain shape's nodes
+    q_ranked: np.ndarray    # q of the ranked nodes, in that order
+    q_path: np.ndarray      # q of the path's nodes
 
 
 @dataclass
@@ -269,9 +271,9 @@ class TreeGoodputController(GoodputController):
         lengths_chain = chain_lengths.copy()
         for t in tree_rows:
             n, k = len(t.tokens), len(t.path)
-            q[t.index, :n] = t.q[t.ranked]
+            q[t.index, :n] = t.q_ranked
             valid[t.index, :n] = True
-            q_chain[t.index, :k] = t.q[t.path]
+            q_chain[t.index, :k] = t.q_path
             valid_chain[t.index, :k] = True
             lengths_chain[t.index] = k
         step = self._step_trees = TreeStep(tree_rows, q_chain, valid_chain, lengths_chain)
@@ -289,36 +291,22 @@ class TreeGoodputController(GoodputController):
                     trees: np.ndarray) -> list[TreeRow]:
         """Each tree row's nodes with their calibrated path probabilities,
         ranked (the tree shape) and its best path (the chain shape)."""
-        idx = np.nonzero(trees)[0]
-        parts = []
-        for i in idx:
-            n = int(lengths[i])
-            parents = np.asarray(drafts.parents[i][:n], np.int64)
-            parts.append((np.asarray(drafts.tokens[i][:n], np.int64), parents,
-                          tree_depths(parents),
-                          np.asarray(drafts.confidence[i][:n], np.float64)))
-        if len(parts) == 1:   # the common case: one tree row
-            sizes = [len(parts[0][0])]
-            slot = np.full(sizes[0], rows[idx[0]], np.int64)
-            depth, conf_all = parts[0][2], parts[0][3]
-        else:
-            sizes = [len(p[0]) for p in parts]
-            slot = np.repeat(rows[idx], sizes)
-            depth = np.concatenate([p[2] for p in parts])
-            conf_all = np.concatenate([p[3] for p in parts])
-        cond = self.calibrator.calibrate_at(slot, depth - 1, conf_all)
+        calibrator = self.calibrator
+        tables = (*calibrator.kernel_state()[1:8], EPS)
         cal = self.path_calibration
         calibrate = cal is not None
-        edges = OutcomeCalibrator.EDGES if calibrate else _NO_EDGES
-        s, e = (cal.s, cal.e) if calibrate else (_NO_EDGES, _NO_EDGES)
-        strength = OutcomeCalibrator._STRENGTH
-        out, start = [], 0
-        for i, (tokens, parents, d, conf), n in zip(idx, parts, sizes):
-            q_raw, q, ranked, path = price_tree(parents, cond[start:start + n], calibrate,
-                                                edges, s, e, strength, EPS, 1.0 - EPS)
-            start += n
-            out.append(TreeRow(int(i), tokens, parents, d, conf, q_raw, q, ranked,
-                               path.tolist()))
+        outcomes = ((OutcomeCalibrator.EDGES, cal.s, cal.e) if calibrate
+                    else (_NO_EDGES, _NO_EDGES, _NO_EDGES))
+        out = []
+        for i in np.nonzero(trees)[0].tolist():
+            n = int(lengths[i])
+            parents = np.asarray(drafts.parents[i][:n], np.int64)
+            conf = np.asarray(drafts.confidence[i][:n], np.float64)
+            depth, q_raw, q, ranked, path, q_ranked, q_path = price_tree(
+                parents, conf, int(rows[i]), calibrator.depth - 1, *tables, calibrate,
+                *outcomes, OutcomeCalibrator._STRENGTH, EPS, 1.0 - EPS)
+            out.append(TreeRow(i, np.asarray(drafts.tokens[i][:n], np.int64), parents, depth,
+                               conf, q_raw, q, ranked, path.tolist(), q_ranked, q_path))
         return out
 
     def _choose(self, lengths, q, valid, observation) -> np.ndarray:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_plugins.proposers.draft_length.calibration_kernels import _bucket
+from vllm_plugins.proposers.draft_length.calibration_kernels import _bucket, calibrated_at
 from vllm_plugins.proposers.jit import cached_njit
 
 
@@ -43,17 +43,25 @@ def well_formed(parents, n):
 
 
 @cached_njit
-def price_tree(parents, cond, calibrate, edges, s, e, strength, lo, hi):
-    """(q_raw, q, ranked, best path) of one offered tree.
+def price_tree(parents, conf, row, last_position, gs, gn, gps, gpn, cal_s, cal_e,
+               conf_strength, eps, calibrate, edges, s, e, strength, lo, hi):
+    """(depth, q_raw, q, ranked, best path, q of the ranked nodes, q of the
+    path's nodes) of one tree offered to slot row ``row``.
 
-    ``q_raw``: ``select.path_probabilities`` of the conditional acceptances
-    ``cond``; ``q``: with ``calibrate``, ``q_raw`` times the outcome
-    calibration's factor (``OutcomeCalibrator.factor``: bucket
-    ``searchsorted(edges, q_raw)``, (s + strength) / (e + strength)),
-    clipped to [lo, hi], then ``select.cap_by_parent``; ``ranked``:
-    ``select.rank_nodes`` (descending q, ties by index); the path
-    ``select.best_path`` takes through q."""
+    Each node's conditional acceptance is its confidence ``conf``
+    calibrated at its depth (``ConfidenceCalibrator.calibrate_at``: its
+    tables, position depth - 1 up to ``last_position``); ``q_raw``:
+    ``select.path_probabilities`` of those; ``q``: with ``calibrate``,
+    ``q_raw`` times the outcome calibration's factor
+    (``OutcomeCalibrator.factor``: bucket ``searchsorted(edges, q_raw)``,
+    (s + strength) / (e + strength)), clipped to [lo, hi], then
+    ``select.cap_by_parent``; ``ranked``: ``select.rank_nodes``
+    (descending q, ties by index); the path ``select.best_path`` takes
+    through q."""
     n = len(parents)
+    depth = tree_depths(parents)
+    cond = calibrated_at(np.full(n, row, np.int64), np.minimum(depth - 1, last_position),
+                         conf, gs, gn, gps, gpn, cal_s, cal_e, conf_strength, eps)
     q_raw = np.empty(n, np.float64)
     for i in range(n):
         p = parents[i]
@@ -89,7 +97,8 @@ def price_tree(parents, cond, calibrate, edges, s, e, strength, lo, hi):
         path[k] = node
         k += 1
         node = best[node + 1]
-    return q_raw, q, ranked, path[:k]
+    path = path[:k]
+    return depth, q_raw, q, ranked, path, q[ranked], q[path]
 
 
 @cached_njit
@@ -243,11 +252,13 @@ def warm_up() -> None:
     parents = np.array([-1, -1, 0], np.int64)
     tokens = np.array([5, 6, 7], np.int64)
     edges = np.array([0.5])
-    depth = tree_depths(parents)
     well_formed(parents, 3)
+    tables = (np.zeros(4), np.zeros(4), np.zeros((2, 4)), np.zeros((2, 4)), np.zeros(1),
+              np.zeros(1), 2.0, 1e-3)
     for calibrate in (False, True):
-        q_raw, _, ranked, _ = price_tree(parents, np.full(3, 0.5), calibrate, edges,
-                                         np.zeros(2), np.zeros(2), 2.0, 1e-3, 1.0 - 1e-3)
+        depth, q_raw, _, ranked, _, _, _ = price_tree(
+            parents, np.full(3, 0.5), 0, 1, *tables, calibrate, edges, np.zeros(2),
+            np.zeros(2), 2.0, 1e-3, 1.0 - 1e-3)
     lay_out(parents, ranked)
     read_tree(tokens, parents, depth, np.full(3, 0.5), q_raw, ranked, 3,
               np.array([5, 7, 1], np.int64))
