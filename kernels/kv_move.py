@@ -236,12 +236,26 @@ def slot_elements(key_cache: torch.Tensor, value_cache: torch.Tensor, base: torc
     return np.stack(parts, axis=1).reshape(-1)
 
 
+def host_layout(base: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor) -> tuple:
+    """What ``slot_elements`` reads of a layer's views: layers alike share
+    the offsets."""
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
+                         f"kv_heads, head_size], got {tuple(key_cache.shape)} and "
+                         f"{tuple(value_cache.shape)}")
+    return (tuple(key_cache.shape), key_cache.stride(), value_cache.stride(),
+            key_cache.storage_offset() - base.storage_offset(),
+            value_cache.storage_offset() - base.storage_offset())
+
+
 def move_kv_host(layers, src_slots, dst_slots) -> None:
     """``move_kv_layers`` on CPU caches as numpy moves of their memory: per
     layer one gather of every source element (a copy, so sources are read
     before any destination is written) and one scatter. ``layers``: (base,
-    key_cache, value_cache, ``host_elements(base)``) per layer, the caches
-    views of base; layers of one layout share the offsets."""
+    key_cache, value_cache, ``host_elements(base)``, ``host_layout`` of
+    them) per layer, the caches views of base; layers of one layout share
+    the offsets."""
     src_slots = np.asarray(src_slots, np.int64)
     dst_slots = np.asarray(dst_slots, np.int64)
     if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
@@ -250,14 +264,7 @@ def move_kv_host(layers, src_slots, dst_slots) -> None:
     if len(src_slots) == 0:
         return
     offsets: dict = {}
-    for base, key_cache, value_cache, flat in layers:
-        if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-            raise ValueError("key_cache and value_cache must both be [num_blocks, "
-                             f"block_size, kv_heads, head_size], got "
-                             f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
-        layout = (key_cache.shape, key_cache.stride(), value_cache.stride(),
-                  key_cache.storage_offset() - base.storage_offset(),
-                  value_cache.storage_offset() - base.storage_offset())
+    for base, key_cache, value_cache, flat, layout in layers:
         got = offsets.get(layout)
         if got is None:
             got = offsets[layout] = (

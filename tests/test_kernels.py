@@ -262,12 +262,13 @@ def test_move_kv_host_moves_what_the_twin_moves(dtype):
     for _ in range(3):
         kv = torch.randn(12, 2, 32, 2 * 64, generator=gen).to(dtype)
         key, value = cpu_cache_views(kv)
-        layers.append((kv, key, value, kv_move.host_elements(kv)))
+        layers.append((kv, key, value, kv_move.host_elements(kv),
+                       kv_move.host_layout(kv, key, value)))
         k, v = key.clone(), value.clone()
         kv_move.move_kv_torch(k, v, torch.tensor(src), torch.tensor(dst))
         expect.append((k, v))
     kv_move.move_kv_host(layers, src, dst)
-    for (_, key, value, _), (k, v) in zip(layers, expect):
+    for (_, key, value, _, _), (k, v) in zip(layers, expect):
         assert torch.equal(key, k) and torch.equal(value, v)
     assert kv_move.host_elements(torch.zeros(4, 4).t()) is None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 ROOT = -1
@@ -78,10 +79,22 @@ def ancestor_mask(parents: Sequence[int], device=None) -> torch.Tensor:
     """bool [n + 1, n + 1] over root + nodes (row = query, column = key):
     each sees the root, its ancestors and itself, so a node's hidden state is
     the one chain decoding of its path would have computed."""
-    n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[:, 0] = True
-    for i, parent in enumerate(parents):
-        mask[i + 1] = mask[parent + 1]
-        mask[i + 1, i + 1] = True
+    mask = torch.from_numpy(ancestor_mask_numpy(parents))
     return mask if device is None else mask.to(device)
+
+
+def ancestor_mask_numpy(parents: Sequence[int]) -> np.ndarray:
+    """``ancestor_mask`` as a numpy array: each row's visible columns listed
+    in Python and set at once (a tensor write per node costs more than the
+    whole list after a forward has evicted torch's code)."""
+    n = len(parents)
+    rows, cols = list(range(n + 1)), [0] * (n + 1)   # every row sees the root
+    seen: list[list[int]] = [[]]
+    for i, parent in enumerate(parents):
+        own = seen[int(parent) + 1] + [i + 1]
+        seen.append(own)
+        rows += [i + 1] * len(own)
+        cols += own
+    mask = np.zeros((n + 1, n + 1), dtype=bool)
+    mask[rows, cols] = True
+    return mask

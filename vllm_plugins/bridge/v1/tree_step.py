@@ -43,11 +43,12 @@ import torch
 from vllm import forward_context
 
 from vllm_plugins.kernels.cache_layout import cpu_cache_views, layout_refusal
-from vllm_plugins.kernels.kv_move import host_elements, move_kv_host, move_kv_layers
+from vllm_plugins.kernels.kv_move import (host_elements, host_layout, move_kv_host,
+                                         move_kv_layers)
 from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
                                                  tree_attention_planned)
 from vllm_plugins.tree import acceptance
-from vllm_plugins.tree.draft import ancestor_mask, chain_length, depths, validate
+from vllm_plugins.tree.draft import ancestor_mask_numpy, chain_length, depths, validate
 from vllm_plugins.tree.sampling import is_greedy, tree_allowed
 
 logger = logging.getLogger(__name__)
@@ -167,19 +168,19 @@ def step_mask(parents_list, query_lens) -> torch.Tensor:
     and its nodes."""
     total = int(sum(query_lens))
     width = int(max(query_lens)) if len(query_lens) else 0
-    mask = torch.zeros(total, width, dtype=torch.bool)
+    mask = np.zeros((total, width), dtype=bool)   # one tensor at the end
     start = 0
     for parents, q in zip(parents_list, query_lens):
         q = int(q)
         if parents is None:
-            mask[start:start + q, :q] = torch.ones(q, q, dtype=torch.bool).tril_()
+            mask[start:start + q, :q] = np.tri(q, dtype=bool)
         else:
             if len(parents) + 1 != q:
                 raise ValueError(f"a tree of {len(parents)} nodes needs {len(parents) + 1} "
                                  f"query tokens, got {q}")
-            mask[start:start + q, :q] = ancestor_mask(parents)
+            mask[start:start + q, :q] = ancestor_mask_numpy(parents)
         start += q
-    return mask
+    return torch.from_numpy(mask)
 
 
 def plan(trees: dict, req_ids, num_scheduled, num_computed, scheduled_drafts,
@@ -325,19 +326,21 @@ def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Ten
         part = output.new_empty((rows.numel(), *output.shape[1:]))
         vllm_attention(query.index_select(0, rows), planned.other_metadata, part)
         output.index_copy_(0, rows, part)
-    _, key_cache, value_cache, _ = cache_views_of(step.cache_views, kv_cache)
+    _, key_cache, value_cache, _, _ = cache_views_of(step.cache_views, kv_cache)
     tree_attention_planned(query, key_cache, value_cache, planned.tree, impl.scale, output)
 
 
 def cache_views_of(views: dict, kv_cache: torch.Tensor) -> tuple:
     """(kv_cache, key view, value view, its elements as a numpy array or
-    None: ``kernels.kv_move.host_elements``) of a layer's CPU cache
-    (``cpu_cache_views``), made at its first use and kept in ``views`` by
-    the tensor's id (the entry holds the tensor, so the id stays its own)."""
+    None, the views' layout: ``kernels.kv_move.host_elements`` and
+    ``host_layout``) of a layer's CPU cache (``cpu_cache_views``), made at
+    its first use and kept in ``views`` by the tensor's id (the entry holds
+    the tensor, so the id stays its own)."""
     got = views.get(id(kv_cache))
     if got is None or got[0] is not kv_cache:
-        got = views[id(kv_cache)] = (kv_cache, *cpu_cache_views(kv_cache),
-                                     host_elements(kv_cache))
+        key, value = cpu_cache_views(kv_cache)
+        got = views[id(kv_cache)] = (kv_cache, key, value, host_elements(kv_cache),
+                                     host_layout(kv_cache, key, value))
     return got
 
 
@@ -418,9 +421,10 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
         return tree_logits[starts[i]:starts[i] + len(reqs[i].tokens) + 1]
 
     if greedy:
+        argmax = [acceptance.first_argmax(rows(i)) for i in greedy]
         got = acceptance.greedy_accept(
             [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy],
-            torch.cat([acceptance.first_argmax(rows(i)) for i in greedy]))
+            argmax[0] if len(argmax) == 1 else torch.cat(argmax))
         for i, a in zip(greedy, got):
             out[i] = a
     if sampled:
@@ -462,11 +466,14 @@ def empty_output(num_reqs: int, max_spec_len: int, device):
 def write_output(sampled_token_ids: torch.Tensor, step: TreeStep, results) -> None:
     """Tree requests' rows of vLLM's [requests, max_spec_len + 1] output:
     the emitted tokens, then padding."""
+    width = sampled_token_ids.shape[1]
     for r, a in zip(step.requests, results):
-        row = torch.full((sampled_token_ids.shape[1],), PLACEHOLDER_TOKEN_ID,
-                         dtype=sampled_token_ids.dtype)
-        row[:len(a.tokens)] = torch.tensor(a.tokens, dtype=sampled_token_ids.dtype)
-        sampled_token_ids[r.batch_index] = row.to(sampled_token_ids.device)
+        if len(a.tokens) > width:
+            raise RuntimeError(f"request {r.req_id}: {len(a.tokens)} tokens emitted, "
+                               f"vLLM's output holds {width}")
+        sampled_token_ids[r.batch_index] = torch.tensor(
+            [*a.tokens, *[PLACEHOLDER_TOKEN_ID] * (width - len(a.tokens))],
+            dtype=sampled_token_ids.dtype, device=sampled_token_ids.device)
 
 
 def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
