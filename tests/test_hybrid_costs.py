@@ -4,16 +4,41 @@ returns is off for that request, a new request starts from what the engine
 knows, a source off for every request comes back to be measured now and
 then, and each request keeps one source on."""
 
-import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
+from vllm_plugins.proposers import hybrid as hybrid_module
 from vllm_plugins.proposers.sources import DraftSource, SourceTree
 from vllm_plugins.proposers.sources.costs import SourceCosts
 from vllm_plugins.step_context import StepContext
 
 from tests.test_hybrid import VOCAB, hybrid, request
+
+
+class WorkClock:
+    """The hybrid's clock in these tests: it moves only by the work the test
+    sources say they do, so the costs the hybrid measures are exactly that
+    work, whatever else runs on the host (a busy host would stretch a
+    spinning source's time and flip the decisions under test)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+CLOCK = WorkClock()
+
+
+@pytest.fixture(autouse=True)
+def work_clock(monkeypatch):
+    monkeypatch.setattr(hybrid_module, "time", SimpleNamespace(perf_counter=CLOCK))
 
 
 def run(costs, steps, seconds, alone_per_step, tokens=2, step_s=0.01):
@@ -71,15 +96,14 @@ def test_off_by_option_every_source_runs():
 
 
 class Copy(DraftSource):
-    """Drafts the context's last token again; ``spin`` seconds of work first."""
+    """Drafts the context's last token again after ``spin`` seconds of work
+    (on ``CLOCK``)."""
 
     calls = 0
 
     def propose(self, request, budget):
         type(self).calls += 1
-        end = time.perf_counter() + self.options["spin"]
-        while time.perf_counter() < end:
-            pass
+        CLOCK.spend(self.options["spin"])
         return SourceTree.chain([int(request.context[-1])], [0.9])
 
 
@@ -108,7 +132,7 @@ def test_the_hybrid_stops_asking_a_slow_source_that_adds_nothing():
 
 # ------------------------------------------------------------ per request
 class Spin(DraftSource):
-    """Drafts one token after ``spin`` seconds of work: ``token``, or the
+    """Drafts one token after ``spin`` seconds of work (on ``CLOCK``): ``token``, or the
     context's last token plus ``shift``. Keeps the requests it was asked
     for, step by step, and counts its learn and sent calls."""
 
@@ -119,9 +143,7 @@ class Spin(DraftSource):
 
     def propose(self, request, budget):
         self.asked[-1].append(request.req_id)
-        end = time.perf_counter() + self.options["spin"]
-        while time.perf_counter() < end:
-            pass
+        CLOCK.spend(self.options["spin"])
         token = self.options.get("token")
         if token is None:
             token = int(request.context[-1]) + self.options.get("shift", 0)
