@@ -7,7 +7,7 @@ the parent, ranked; the best path), then lays the kept nodes out. As
 Python and numpy these were some forty calls per tree on a few dozen
 nodes, where dispatch outweighed the arithmetic; each loop here is the
 function of ``vllm_plugins.tree.select`` named in its docstring, with the
-same values (``tests/test_draft_length_tree.py`` checks them against it).
+same values (``tests/test_tree_select.py`` checks them against it).
 ``TreeGoodputController`` says what the numbers mean.
 """
 
