@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -326,21 +327,31 @@ def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Ten
         part = output.new_empty((rows.numel(), *output.shape[1:]))
         vllm_attention(query.index_select(0, rows), planned.other_metadata, part)
         output.index_copy_(0, rows, part)
-    _, key_cache, value_cache, _, _ = cache_views_of(step.cache_views, kv_cache)
-    tree_attention_planned(query, key_cache, value_cache, planned.tree, impl.scale, output)
+    layer_views = cache_views_of(step.cache_views, kv_cache)
+    tree_attention_planned(query, layer_views.key, layer_views.value, planned.tree, impl.scale,
+                           output)
 
 
-def cache_views_of(views: dict, kv_cache: torch.Tensor) -> tuple:
-    """(kv_cache, key view, value view, its elements as a numpy array or
-    None, the views' layout: ``kernels.kv_move.host_elements`` and
-    ``host_layout``) of a layer's CPU cache (``cpu_cache_views``), made at
-    its first use and kept in ``views`` by the tensor's id (the entry holds
-    the tensor, so the id stays its own)."""
+class CacheViews(NamedTuple):
+    """A layer's CPU cache as attention and the K/V move read it; in this
+    order it is what ``kernels.kv_move.move_kv_host`` takes per layer."""
+
+    cache: torch.Tensor
+    key: torch.Tensor        # ``cpu_cache_views``
+    value: torch.Tensor
+    elements: object         # ``host_elements``: a numpy array, or None
+    layout: tuple            # ``host_layout``
+
+
+def cache_views_of(views: dict, kv_cache: torch.Tensor) -> CacheViews:
+    """A layer's ``CacheViews``, made at its first use and kept in ``views``
+    by the tensor's id (the entry holds the tensor, so the id stays its
+    own)."""
     got = views.get(id(kv_cache))
-    if got is None or got[0] is not kv_cache:
+    if got is None or got.cache is not kv_cache:
         key, value = cpu_cache_views(kv_cache)
-        got = views[id(kv_cache)] = (kv_cache, key, value, host_elements(kv_cache),
-                                     host_layout(kv_cache, key, value))
+        got = views[id(kv_cache)] = CacheViews(kv_cache, key, value, host_elements(kv_cache),
+                                               host_layout(kv_cache, key, value))
     return got
 
 
@@ -504,11 +515,11 @@ def move_accepted_kv(kv_caches, src: list[int], dst: list[int],
             continue  # layers sharing one cache move it once
         seen.add(cache.data_ptr())
         layers.append(cache_views_of(views, cache))
-    if layers and all(layer[3] is not None for layer in layers):
+    if layers and all(layer.elements is not None for layer in layers):
         move_kv_host(layers, src, dst)
         return
-    keys = [layer[1] for layer in layers]
-    values = [layer[2] for layer in layers]
+    keys = [layer.key for layer in layers]
+    values = [layer.value for layer in layers]
     if keys:
         device = keys[0].device
         move_kv_layers(keys, values, torch.tensor(src, dtype=torch.int64, device=device),
