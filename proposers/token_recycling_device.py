@@ -53,6 +53,8 @@ import math
 
 import torch
 
+from vllm_plugins.proposers.token_recycling_device_walk import WalkBuffers, walk
+
 # The hash's multiplier (odd: the rolling hash loses no bit of a token).
 PRIME = 1000003
 # Seeded (prompt-copied) entries: unknown to the target, so trusted like a
@@ -96,6 +98,9 @@ class DeviceRecyclingTables:
         self.device = torch.device(device)
         self.entries = self.slots + vocab_size     # the trash entry's index
         self.max_slots = max_slots
+        self.prime = PRIME
+        # Constants and scratch of a step, per batch shape (``per_shape``).
+        self._shapes: dict = {}
         dev, i64 = self.device, torch.int64
         self.key = torch.full((self.entries + 1,), EMPTY_KEY, dtype=i64, device=dev)
         self.tok1 = torch.zeros(self.entries + 1, dtype=i64, device=dev)
@@ -113,12 +118,10 @@ class DeviceRecyclingTables:
         self.modulus = torch.tensor([vocab_size + 1] + [max(self.slots, 1)] * (o - 1),
                                     dtype=i64, device=dev)
         self.offset = torch.tensor([self.slots - 1] + [0] * (o - 1), dtype=i64, device=dev)
-        # The longest context with an entry wins; none: the matrix (column 0).
-        self.weight = torch.arange(1, o + 1, dtype=i64, device=dev)
         self.hist_cols = torch.arange(self.hist_len, dtype=i64, device=dev)
 
     _TENSORS = ("key", "tok1", "lp", "winner", "hist1", "trash", "powers", "modulus",
-                "offset", "weight", "hist_cols")
+                "offset", "hist_cols")
 
     def nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size()
@@ -129,6 +132,7 @@ class DeviceRecyclingTables:
         self.device = torch.device(device)
         for n in self._TENSORS:
             setattr(self, n, getattr(self, n).to(self.device))
+        self._shapes.clear()
 
     def resize_slots(self, max_slots: int) -> None:
         """Room for ``max_slots`` request slots, histories kept (eager; the
@@ -165,21 +169,28 @@ class DeviceRecyclingTables:
         r, n = verified_tokens.shape
         o, h = self.order, self.hist_len
         seq1 = torch.cat((self.hist1.index_select(0, slots), verified_tokens + 1), 1)
-        keys = [seq1[:, h:]]                                       # order 1
-        for m in range(2, o + 1):
-            keys.append(keys[-1] + seq1[:, h - m + 1:h - m + 1 + n] * self.pow[m - 1])
-        keys = torch.stack(keys, 2)                                # [R, N, O]
-        entry = torch.remainder(keys, self.modulus).add_(self.offset)
-        valid = torch.arange(n, device=seq1.device) < num_verified.unsqueeze(1)
-        entry = entry.where(valid.unsqueeze(2), self.trash)
-        dest = self._last_write_wins(entry.view(-1)).view(r, n, o)
-        self.key.index_put_((dest,), keys)
-        self.tok1.index_put_((dest,), topk_ids[:, :, :1] + 1)
-        self.lp.index_put_((dest,), topk_logprobs[:, :, :1].to(self.lp.dtype))
+        self._learn_rows(self._learn_shape(r, n), seq1, topk_ids[:, :, :1].expand(r, n, o) + 1,
+                         topk_logprobs[:, :, :1].expand(r, n, o).to(self.lp.dtype), num_verified)
         if h:
             shift = (num_accepted + 1) * (num_verified > 0)
             self.hist1.index_put_((slots,),
                                   seq1.gather(1, shift.unsqueeze(1) + self.hist_cols))
+
+    def _learn_rows(self, c: "_LearnShape", seq1: torch.Tensor, tok1: torch.Tensor,
+                    lp: torch.Tensor, num_verified: torch.Tensor) -> None:
+        """The tables' entries <- ``learn``'s rows. seq1 [R, hist_len + N
+        (+ anything after)]: each slot's history, then its verified tokens,
+        all plus one; tok1 (the target's top-1 plus one) and lp [R, N, O]:
+        the value of row j, the same for each of its O contexts."""
+        r, n, o = tok1.shape
+        win = seq1.narrow(1, 0, self.hist_len + n).unfold(1, o, 1)   # [R, N, O]
+        keys = (win.flip(2) * self.powers).cumsum(2)       # [:, :, m - 1]: order m
+        entry = torch.remainder(keys, self.modulus).add_(self.offset)
+        entry = entry.where(c.row < num_verified.view(r, 1, 1), self.trash)
+        dest = self._highest_priority_wins(entry.view(-1), c.order)
+        self.key.put_(dest, keys)
+        self.tok1.put_(dest, tok1)
+        self.lp.put_(dest, lp)
 
     def _last_write_wins(self, entry: torch.Tensor) -> torch.Tensor:
         """``entry`` with every write but the last to each entry sent to the
@@ -286,19 +297,78 @@ class DeviceRecyclingTables:
         if num_tokens <= 0:
             empty = window1.new_zeros(window1.shape[0], 0)
             return empty, empty.float()
-        # keys[:, m - 1]: the key of the last m tokens.
-        keys = (window1.flip(1) * self.powers).cumsum(1)
-        toks1, lps = [], []
-        for step in range(num_tokens):
-            entry = torch.remainder(keys, self.modulus).add_(self.offset)
-            hit = self.key.take(entry) == keys
-            best = entry.gather(1, (hit * self.weight).argmax(1, keepdim=True))
-            tok1 = self.tok1.take(best)                            # [R, 1]
-            toks1.append(tok1)
-            lps.append(self.lp.take(best))
-            if step + 1 < num_tokens:
-                keys = torch.cat((tok1, torch.add(tok1, keys[:, :-1], alpha=PRIME)), 1)
-        tok1, prob = torch.cat(toks1, 1), torch.cat(lps, 1).double().exp()
-        stop = (tok1 == 0) | (prob.cumprod(1) < self.min_confidence)
-        drafted = stop.cumsum(1) == 0
+        b = self._walk_shape(window1.shape[0], num_tokens)
+        tok1, prob, drafted = walk(self, b, window1, self.min_confidence)
         return tok1 * drafted - 1, (prob * drafted).float()
+
+    # ---------------------------------------------- the device route's step
+    def learn_and_draft(self, slots: torch.Tensor, verified_tokens: torch.Tensor,
+                        top1_ids: torch.Tensor, top1_logprobs: torch.Tensor,
+                        num_verified: torch.Tensor, shift: torch.Tensor,
+                        last_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``learn`` then ``propose`` for requests in distinct slots, as one
+        step with fewer calls (the history ``learn`` moves on is the one
+        the chain starts from): drafts [R, num_tokens] int64, padded with
+        the request's newest token where the chain stops (every table value
+        is a token plus one, never below 1, so a drafted token is never
+        negative).
+
+        verified_tokens [R, N] int32 or int64, num_verified [R]: as
+        ``learn``'s; top1_ids [R, N, O] int64 and top1_logprobs [R, N, O]:
+        row j's top-1 and its log-probability, repeated over the context
+        orders; shift [R]: positions the history moves on (``learn``'s
+        (num_accepted + 1) * (num_verified > 0)); last_tokens [R] int64.
+        """
+        r, n = verified_tokens.shape
+        h = self.hist_len
+        c = self._learn_shape(r, n)
+        seq1 = torch.cat((self.hist1.index_select(0, slots), verified_tokens + 1,
+                          (last_tokens + 1).view(r, 1)), 1)
+        lp = top1_logprobs if top1_logprobs.dtype == self.lp.dtype else top1_logprobs.to(
+            self.lp.dtype)
+        self._learn_rows(c, seq1, top1_ids + 1, lp, num_verified)
+        # The new history, then the newest token: the chain's window.
+        torch.gather(seq1, 1, torch.addcmul(c.window_base, shift.view(r, 1), c.window_step),
+                     out=c.window)
+        if h:
+            self.hist1.index_put_((slots,), c.history)
+        if num_tokens <= 0:
+            return verified_tokens.new_zeros(r, 0, dtype=torch.int64)
+        tok1, _, drafted = walk(self, self._walk_shape(r, num_tokens), c.window,
+                                self.min_confidence)
+        return torch.where(drafted, tok1, c.newest) - 1
+
+    def _learn_shape(self, r: int, n: int) -> "_LearnShape":
+        return self.per_shape(("learn", r, n), lambda: _LearnShape(self, r, n))
+
+    def _walk_shape(self, r: int, k: int) -> WalkBuffers:
+        return self.per_shape(("walk", r, k), lambda: WalkBuffers(self, r, k))
+
+    def per_shape(self, key, build):
+        """What depends only on a step's shape, built once (the number of
+        batch sizes a server sees is bounded; a stream of odd shapes, as
+        the V1 route's verified widths, is too, by starting over)."""
+        got = self._shapes.get(key)
+        if got is None:
+            if len(self._shapes) >= 1024:
+                self._shapes.clear()
+            got = self._shapes[key] = build()
+        return got
+
+
+class _LearnShape:
+    """Constants of learning ``r`` x ``n`` rows, and the window buffer the
+    device route's chain starts from."""
+
+    def __init__(self, tables: DeviceRecyclingTables, r: int, n: int):
+        o, h, dev = tables.order, tables.hist_len, tables.device
+        with torch.inference_mode(False):
+            self.row = torch.arange(n, device=dev).view(1, n, 1)
+            self.order = torch.arange(r * n * o, device=dev)   # write order
+            # seq1's columns of the history after a shift of s: s + 0..h-1,
+            # then the newest token (after the verified rows, at h + n).
+            self.window_base = torch.tensor([list(range(h)) + [h + n]], device=dev)
+            self.window_step = torch.tensor([[1] * h + [0]], device=dev)
+            self.window = torch.zeros(r, o, dtype=torch.int64, device=dev)
+        self.history = self.window[:, :h]
+        self.newest = self.window[:, h:]

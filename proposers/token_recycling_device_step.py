@@ -16,16 +16,27 @@ from vllm_plugins.drafter import DeviceDrafter, DeviceStep
 from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
 
 
-def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor, width: int,
-                  num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``[R, width]`` indices of each request's logits rows, clamped into
-    the step's rows; ``[R]`` how many are the request's and verified: 0 for
-    a prefill chunk that sampled nothing)."""
-    start = cu_num_logits[:-1].to(torch.int64)
-    count = cu_num_logits[1:].to(torch.int64) - start
-    rows = start.unsqueeze(1) + torch.arange(width, device=start.device)
-    rows = rows.clamp(max=max(num_rows - 1, 0))
-    return rows, count * (num_sampled.to(torch.int64) > 0)
+def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor,
+                  cols: torch.Tensor, num_rows: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(``[R, N, O]`` int64 indices of each request's logits rows, row j at
+    ``[:, j, :]`` for each of ``cols`` ([1, N, O], row j: j) O columns,
+    clamped into the step's ``num_rows`` rows; ``[R]`` how many are the
+    request's and verified: 0 for a prefill chunk that sampled nothing;
+    ``[R]`` how far the request's history moves on: the tokens it
+    committed where it verified any, else 0)."""
+    r = cu_num_logits.shape[0] - 1
+    rows = (cu_num_logits[:-1].view(r, 1, 1) + cols).clamp_(max=max(num_rows - 1, 0))
+    count = cu_num_logits.diff()
+    return rows, count * (num_sampled > 0), num_sampled * (count > 0)
+
+
+def _rows_cols(n: int, o: int, device) -> torch.Tensor:
+    """``verified_rows``' ``cols``: row j at [0, j, :], for each of the
+    tables' o context orders (built once per shape: each call costs more
+    than its work)."""
+    with torch.inference_mode(False):
+        return torch.arange(n, device=device).view(1, n, 1).expand(1, n, o).contiguous()
 
 
 class DeviceRecyclingDrafter(DeviceDrafter):
@@ -41,11 +52,11 @@ class DeviceRecyclingDrafter(DeviceDrafter):
             # The prefill's end is each new slot's history; its tokens seed
             # the tables (entries the target has not filled).
             t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
-        k = step.num_tokens
-        rows, num_verified = verified_rows(step.cu_num_logits, step.num_sampled, k + 1,
-                                           step.verified_inputs.shape[0])
-        num_accepted = (step.num_sampled.to(torch.int64) - 1).clamp(min=0)
-        t.learn(step.slots, step.verified_inputs[rows], step.top1_ids[rows].unsqueeze(-1),
-                step.top1_logprobs[rows].unsqueeze(-1), num_verified, num_accepted)
-        drafts, _conf = t.propose(step.slots, step.last_tokens, k)
-        return torch.where(drafts < 0, step.last_tokens.unsqueeze(1), drafts)
+        n = step.num_tokens + 1
+        cols = t.per_shape(("rows", n), lambda: _rows_cols(n, t.order, t.device))
+        rows, num_verified, shift = verified_rows(step.cu_num_logits, step.num_sampled, cols,
+                                                  step.verified_inputs.shape[0])
+        return t.learn_and_draft(
+            step.slots, step.verified_inputs.take(rows.select(2, 0)), step.top1_ids.take(rows),
+            step.top1_logprobs.take(rows), num_verified, shift, step.last_tokens,
+            step.num_tokens)
