@@ -60,14 +60,14 @@ class DeviceSpeculator(V2Drafter):
             return torch.zeros(num_reqs, self.num_speculative_steps, dtype=torch.int64,
                                device=self.device)
         self.state.counters.steps += 1
-        slots = input_batch.idx_mapping[:num_reqs]
+        slots = _first(input_batch.idx_mapping, num_reqs)
         step = DeviceStep(
             slots=slots,
-            cu_num_logits=input_batch.cu_num_logits[:num_reqs + 1],
-            verified_inputs=input_batch.input_ids[input_batch.logits_indices].to(torch.int64),
+            cu_num_logits=_first(input_batch.cu_num_logits, num_reqs + 1),
+            verified_inputs=input_batch.input_ids.index_select(0, input_batch.logits_indices),
             top1_ids=top1[0], top1_logprobs=top1[1],
-            num_sampled=num_sampled[:num_reqs],
-            last_tokens=last_sampled[slots, 0].to(torch.int64),
+            num_sampled=_first(num_sampled, num_reqs),
+            last_tokens=_newest(last_sampled, slots),
             num_tokens=self.num_speculative_steps)
         self._add_new_requests(step, input_batch, num_reqs)
         return self.drafter.device_step(step)
@@ -86,3 +86,21 @@ class DeviceSpeculator(V2Drafter):
         step.new_lengths = torch.as_tensor(lengths, device=self.device)
         for b in new:
             self._seeded[int(index[b])] = req_ids[b]
+
+
+# Each torch call costs the step a few µs of host time, a view as much as
+# a kernel: the step's inputs are taken with as few as their shapes allow.
+
+def _first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:n], without a call where x has n rows."""
+    return x if x.shape[0] == n else x[:n]
+
+
+def _newest(last_sampled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[R] int64: each slot's last sampled token (V2's ``last_sampled_tokens``
+    [max_num_reqs, 1] int64, one gather)."""
+    if last_sampled.dim() == 2 and last_sampled.shape[1] == 1 and last_sampled.is_contiguous():
+        newest = last_sampled.take(slots)
+    else:
+        newest = last_sampled[slots, 0]
+    return newest if newest.dtype == torch.int64 else newest.to(torch.int64)
