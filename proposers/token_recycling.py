@@ -97,6 +97,10 @@ class TokenRecyclingProposer(PluginProposer):
     DEFAULT_NUM_SPECULATIVE_TOKENS = 6
     CAN_REST = True   # drafts from the tables and each request's context
     SHAPES_TREES = True   # learns from the nodes sent (``proposed``)
+    # Up to this many requests a step, each request's chain is learnt by one
+    # compiled call (``RecyclingTables.learn_chain``); more are batched into
+    # arrays, one pass for all.
+    _LEARN_ONE_BY_ONE = 8
     # Policies that read a tree node by node (the others read it as a chain).
     TREE_POLICIES = ("fixed", "goodput")
 
@@ -169,10 +173,10 @@ class TokenRecyclingProposer(PluginProposer):
         self._drafted_trees.pop(req_id, None)
 
     def learn(self, ctx: StepContext) -> None:
-        """Tables <- every verified row of the step, all requests in one
-        vectorised pass (row by row, the Python loop was most of the
-        learning time); a request's prompt seeds the tables the first time
-        it is seen."""
+        """Tables <- every verified row of the step: a few requests' chains
+        by one compiled call each, more in one vectorised pass (row by row,
+        a Python loop was most of the learning time); a request's prompt
+        seeds the tables the first time it is seen."""
         if self.device_chains is not None:
             self.device_chains.learn(ctx)
             return
@@ -180,6 +184,10 @@ class TokenRecyclingProposer(PluginProposer):
         inputs, ids, lps = [], [], []
         seqs, ends, starts = [], [], []
         offset = 0
+        # A few requests' chains are learnt one compiled call each, after the
+        # trees (as the batched arrays are): the same writes in the same order.
+        one_by_one = len(ctx.requests) <= self._LEARN_ONE_BY_ONE
+        chains = []
         for r in ctx.requests:
             if r.req_id not in self._seen and len(r.accepted) > 0:
                 self._seen.add(r.req_id)
@@ -189,6 +197,9 @@ class TokenRecyclingProposer(PluginProposer):
                 continue
             rows = len(r.verified_tokens)
             if self._learn_tree(r):
+                continue
+            if one_by_one:
+                chains.append(r)
                 continue
             inputs.append(r.verified_tokens)
             ids.append(r.topk_ids[:rows])
@@ -203,6 +214,9 @@ class TokenRecyclingProposer(PluginProposer):
                 ends.append(offset + base - lo + np.arange(rows))
                 starts.append(np.full(rows, offset))
                 offset += base - lo + rows - 1
+        for r in chains:
+            t.learn_chain(r.context, len(r.context) - len(r.accepted), r.verified_tokens,
+                          r.topk_ids, r.topk_logprobs)
         if not inputs:
             return
         ids_all, lps_all = np.concatenate(ids), np.concatenate(lps)

@@ -6,8 +6,10 @@ The walk is per drafted token: up to ``context_order - 1`` context hashes
 and table probes, then the matrix. As a Python loop it was most of a
 drafting step at batch 16, so it is an ``@njit`` loop over the tables and
 preallocated output rows, the shape of vLLM's
-``v1/spec_decode/ngram_proposer.py``. Learning stays vectorised numpy: it
-is a handful of array operations per step, whatever the batch.
+``v1/spec_decode/ngram_proposer.py``. Learning is vectorised numpy, a
+handful of array operations per step whatever the batch, or for a step of
+a few requests one compiled call each (``learn_chain``): after a forward
+has evicted the caches, each library call costs more than its work.
 
 Memory (stated, fixed at start): matrix vocab*k*(4+4) bytes (SmolLM2, k=8:
 3.0 MiB); context table context_slots*(8+4+4) bytes (default 2^20: 16 MiB).
@@ -84,6 +86,18 @@ class RecyclingTables:
         k = min(self.k, topk_ids.shape[1])
         self.ids[inputs, :k] = topk_ids[:, :k]
         self.logp[inputs, :k] = topk_logprobs[:, :k]
+
+    def learn_chain(self, context: np.ndarray, base: int, verified: np.ndarray,
+                    topk_ids: np.ndarray, topk_logprobs: np.ndarray) -> None:
+        """One request's verified chain in one compiled call: what
+        ``learn_rows`` of its verified tokens and then ``learn_contexts`` of
+        its rows' ends do (``context[:base]`` the tokens before the step's
+        output, ``verified`` the last of them then the drafts). A step of a
+        few requests makes a dozen small arrays to batch them, each a
+        library call that costs more than the work after a forward has
+        evicted the caches."""
+        _learn_chain(self.ids, self.logp, self.ctx_key, self.ctx_tok, self.ctx_logp,
+                     self.context_order, context, base, verified, topk_ids, topk_logprobs)
 
     def learn_context(self, seq: np.ndarray, end: int, tok: int, logp: float,
                       only_if_empty: bool = False) -> None:
@@ -229,6 +243,40 @@ def _learn_contexts(ctx_key, ctx_tok, ctx_logp, order, seq, ends, starts, toks, 
 
 
 @cached_njit
+def _learn_chain(ids, logp, ctx_key, ctx_tok, ctx_logp, order, context, base, verified,
+                 topk_ids, topk_lps):
+    """RecyclingTables.learn_chain: matrix rows in row order, then each
+    row's contexts (orders 2..order, none reaching before the context's
+    start), row by row, as ``learn_rows`` then ``_learn_contexts`` write
+    them."""
+    rows = len(verified)
+    k = min(ids.shape[1], topk_ids.shape[1])
+    for j in range(rows):
+        for c in range(k):
+            ids[verified[j], c] = topk_ids[j, c]
+            logp[verified[j], c] = topk_lps[j, c]
+    if order < 2:
+        return
+    lo = max(0, base - order)
+    seq = np.empty(base - lo + rows - 1, np.int64)
+    for i in range(base - lo):
+        seq[i] = context[lo + i]
+    for j in range(1, rows):
+        seq[base - lo + j - 1] = verified[j]
+    slots = len(ctx_key)
+    for j in range(rows):
+        end = base - lo + j
+        for n in range(2, order + 1):
+            if end - n < 0:
+                break
+            h = _hash(seq, end, n)
+            slot = h % slots
+            ctx_key[slot] = h
+            ctx_tok[slot] = topk_ids[j, 0]
+            ctx_logp[slot] = topk_lps[j, 0]
+
+
+@cached_njit
 def _next_token(ids, logp, ctx_key, ctx_tok, ctx_logp, seq, n_seq, order):
     """RecyclingTables.next_token of seq[:n_seq]."""
     slots = len(ctx_key)
@@ -274,5 +322,9 @@ def warm_up() -> None:
     an engine's first step does not wait for the JIT."""
     t = RecyclingTables(4, 1, 2, 16)
     t.learn_context(np.array([1, 2, 3]), 2, 3, 0.0)
+    for context in (np.array([1, 2, 3], np.int32), np.array([1, 2, 3], np.int64)):
+        # The runner's token rows are int32; tests and tools pass int64.
+        t.learn_chain(context, 2, np.array([2, 3]), np.zeros((2, 1), np.int64),
+                      np.zeros((2, 1), np.float32))
     t.chain([1, 2], 2, 0.0)
     t.next_token([1, 2])

@@ -245,3 +245,31 @@ def test_continue_draft_walks_from_the_prefix_and_reads_only():
     assert p.continue_draft(r, [5], 0).tolist() == []
     after = (p.tables.ids, p.tables.ctx_key, p.tables.ctx_tok)
     assert all((a == b).all() for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("context_dtype", [np.int32, np.int64])
+def test_learning_chains_one_by_one_writes_what_the_batched_arrays_write(context_dtype):
+    """A few requests' chains are learnt one compiled call each, more in one
+    batched pass: over random steps (requests sharing tokens, so later rows
+    overwrite earlier ones) both leave the same tables."""
+    rng = np.random.default_rng(3)
+    one, batched = proposer(context_order=4, context_slots=1024), \
+        proposer(context_order=4, context_slots=1024)
+    batched._LEARN_ONE_BY_ONE = 0
+    for _ in range(30):
+        reqs = []
+        for b in range(int(rng.integers(1, 6))):
+            n_ctx, rows = int(rng.integers(1, 12)), int(rng.integers(1, 6))
+            context = rng.integers(0, 6, n_ctx + rows).astype(context_dtype)
+            accepted = context[n_ctx:]
+            verified = np.concatenate([context[n_ctx - 1:n_ctx], rng.integers(0, 6, rows - 1)])
+            reqs.append(RequestStep(
+                req_id=f"r{b}", accepted=accepted, context=context, num_prompt_tokens=1,
+                num_draft=rows - 1, verified_tokens=verified.astype(np.int64),
+                topk_ids=rng.integers(0, V, (rows, 2)),
+                topk_logprobs=np.log(rng.random((rows, 2))).astype(np.float32),
+                temperature=0.0))
+        for p in (one, batched):
+            p.learn(StepContext(reqs, max_draft=4))
+    for name in ("ids", "logp", "ctx_key", "ctx_tok", "ctx_logp"):
+        assert (getattr(one.tables, name) == getattr(batched.tables, name)).all(), name
