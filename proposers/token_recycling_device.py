@@ -53,6 +53,8 @@ import math
 
 import torch
 
+from vllm_plugins.proposers.token_recycling_device_learn import (LearnBuffers, learn_rows,
+                                                                 move_history)
 from vllm_plugins.proposers.token_recycling_device_walk import WalkBuffers, walk
 
 # The hash's multiplier (odd: the rolling hash loses no bit of a token).
@@ -168,29 +170,15 @@ class DeviceRecyclingTables:
         """
         r, n = verified_tokens.shape
         o, h = self.order, self.hist_len
-        seq1 = torch.cat((self.hist1.index_select(0, slots), verified_tokens + 1), 1)
-        self._learn_rows(self._learn_shape(r, n), seq1, topk_ids[:, :, :1].expand(r, n, o) + 1,
-                         topk_logprobs[:, :, :1].expand(r, n, o).to(self.lp.dtype), num_verified)
+        b = self._learn_buffers(r, n)
         if h:
-            shift = (num_accepted + 1) * (num_verified > 0)
-            self.hist1.index_put_((slots,),
-                                  seq1.gather(1, shift.unsqueeze(1) + self.hist_cols))
-
-    def _learn_rows(self, c: "_LearnShape", seq1: torch.Tensor, tok1: torch.Tensor,
-                    lp: torch.Tensor, num_verified: torch.Tensor) -> None:
-        """The tables' entries <- ``learn``'s rows. seq1 [R, hist_len + N
-        (+ anything after)]: each slot's history, then its verified tokens,
-        all plus one; tok1 (the target's top-1 plus one) and lp [R, N, O]:
-        the value of row j, the same for each of its O contexts."""
-        r, n, o = tok1.shape
-        win = seq1.narrow(1, 0, self.hist_len + n).unfold(1, o, 1)   # [R, N, O]
-        keys = (win.flip(2) * self.powers).cumsum(2)       # [:, :, m - 1]: order m
-        entry = torch.remainder(keys, self.modulus).add_(self.offset)
-        entry = entry.where(c.row < num_verified.view(r, 1, 1), self.trash)
-        dest = self._highest_priority_wins(entry.view(-1), c.order)
-        self.key.put_(dest, keys)
-        self.tok1.put_(dest, tok1)
-        self.lp.put_(dest, lp)
+            torch.index_select(self.hist1, 0, slots, out=b.history_seq)
+        torch.add(verified_tokens.t(), 1, out=b.verified_seq)
+        learn_rows(self, b, topk_ids[:, :, :1].permute(1, 2, 0).expand(n, o, r) + 1,
+                   topk_logprobs[:, :, :1].permute(1, 2, 0).expand(n, o, r).to(self.lp.dtype),
+                   num_verified)
+        if h:
+            move_history(self, b, slots, (num_accepted + 1) * (num_verified > 0))
 
     def _last_write_wins(self, entry: torch.Tensor) -> torch.Tensor:
         """``entry`` with every write but the last to each entry sent to the
@@ -297,8 +285,8 @@ class DeviceRecyclingTables:
         if num_tokens <= 0:
             empty = window1.new_zeros(window1.shape[0], 0)
             return empty, empty.float()
-        b = self._walk_shape(window1.shape[0], num_tokens)
-        tok1, prob, drafted = walk(self, b, window1, self.min_confidence)
+        b = self._walk_buffers(window1.shape[0], num_tokens)
+        tok1, prob, drafted = walk(self, b, window1.unsqueeze(1), self.min_confidence)
         return tok1 * drafted - 1, (prob * drafted).float()
 
     # ---------------------------------------------- the device route's step
@@ -307,41 +295,38 @@ class DeviceRecyclingTables:
                         num_verified: torch.Tensor, shift: torch.Tensor,
                         last_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``learn`` then ``propose`` for requests in distinct slots, as one
-        step with fewer calls (the history ``learn`` moves on is the one
-        the chain starts from): drafts [R, num_tokens] int64, padded with
-        the request's newest token where the chain stops (every table value
-        is a token plus one, never below 1, so a drafted token is never
-        negative).
+        step with fewer calls (the chain starts from the history ``learn``
+        moved on): drafts [R, num_tokens] int64, padded with the request's
+        newest token where the chain stops (the tables hold tokens plus
+        one, never below 1, so a drafted token is never negative).
 
-        verified_tokens [R, N] int32 or int64, num_verified [R]: as
-        ``learn``'s; top1_ids [R, N, O] int64 and top1_logprobs [R, N, O]:
-        row j's top-1 and its log-probability, repeated over the context
-        orders; shift [R]: positions the history moves on (``learn``'s
+        The rows come requests last, as the step gathers them:
+        verified_tokens [N, R] int32 or int64, top1_ids [N, O, R] int64 and
+        top1_logprobs [N, O, R]: row j's top-1 and its log-probability, once
+        for each context order; num_verified [R] as ``learn``'s; shift [R]:
+        the tokens the history moves on (``learn``'s
         (num_accepted + 1) * (num_verified > 0)); last_tokens [R] int64.
         """
-        r, n = verified_tokens.shape
-        h = self.hist_len
-        c = self._learn_shape(r, n)
-        seq1 = torch.cat((self.hist1.index_select(0, slots), verified_tokens + 1,
-                          (last_tokens + 1).view(r, 1)), 1)
-        lp = top1_logprobs if top1_logprobs.dtype == self.lp.dtype else top1_logprobs.to(
-            self.lp.dtype)
-        self._learn_rows(c, seq1, top1_ids + 1, lp, num_verified)
-        # The new history, then the newest token: the chain's window.
-        torch.gather(seq1, 1, torch.addcmul(c.window_base, shift.view(r, 1), c.window_step),
-                     out=c.window)
-        if h:
-            self.hist1.index_put_((slots,), c.history)
+        n, r = verified_tokens.shape
+        b = self._learn_buffers(r, n)
+        if self.hist_len:
+            torch.index_select(self.hist1, 0, slots, out=b.history_seq)
+        torch.add(verified_tokens, 1, out=b.verified_seq)
+        torch.add(last_tokens, 1, out=b.newest_seq)
+        if top1_logprobs.dtype != self.lp.dtype:
+            top1_logprobs = top1_logprobs.to(self.lp.dtype)
+        learn_rows(self, b, top1_ids + 1, top1_logprobs, num_verified)
+        move_history(self, b, slots, shift)
         if num_tokens <= 0:
-            return verified_tokens.new_zeros(r, 0, dtype=torch.int64)
-        tok1, _, drafted = walk(self, self._walk_shape(r, num_tokens), c.window,
+            return last_tokens.new_zeros(r, 0, dtype=torch.int64)
+        tok1, _, drafted = walk(self, self._walk_buffers(r, num_tokens), b.window_rows,
                                 self.min_confidence)
-        return torch.where(drafted, tok1, c.newest) - 1
+        return torch.where(drafted, tok1, b.newest) - 1
 
-    def _learn_shape(self, r: int, n: int) -> "_LearnShape":
-        return self.per_shape(("learn", r, n), lambda: _LearnShape(self, r, n))
+    def _learn_buffers(self, r: int, n: int) -> LearnBuffers:
+        return self.per_shape(("learn", r, n), lambda: LearnBuffers(self, r, n))
 
-    def _walk_shape(self, r: int, k: int) -> WalkBuffers:
+    def _walk_buffers(self, r: int, k: int) -> WalkBuffers:
         return self.per_shape(("walk", r, k), lambda: WalkBuffers(self, r, k))
 
     def per_shape(self, key, build):
@@ -354,21 +339,3 @@ class DeviceRecyclingTables:
                 self._shapes.clear()
             got = self._shapes[key] = build()
         return got
-
-
-class _LearnShape:
-    """Constants of learning ``r`` x ``n`` rows, and the window buffer the
-    device route's chain starts from."""
-
-    def __init__(self, tables: DeviceRecyclingTables, r: int, n: int):
-        o, h, dev = tables.order, tables.hist_len, tables.device
-        with torch.inference_mode(False):
-            self.row = torch.arange(n, device=dev).view(1, n, 1)
-            self.order = torch.arange(r * n * o, device=dev)   # write order
-            # seq1's columns of the history after a shift of s: s + 0..h-1,
-            # then the newest token (after the verified rows, at h + n).
-            self.window_base = torch.tensor([list(range(h)) + [h + n]], device=dev)
-            self.window_step = torch.tensor([[1] * h + [0]], device=dev)
-            self.window = torch.zeros(r, o, dtype=torch.int64, device=dev)
-        self.history = self.window[:, :h]
-        self.newest = self.window[:, h:]

@@ -17,26 +17,20 @@ from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
 
 
 def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor,
-                  cols: torch.Tensor, num_rows: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(``[R, N, O]`` int64 indices of each request's logits rows, row j at
-    ``[:, j, :]`` for each of ``cols`` ([1, N, O], row j: j) O columns,
-    clamped into the step's ``num_rows`` rows; ``[R]`` how many are the
-    request's and verified: 0 for a prefill chunk that sampled nothing;
-    ``[R]`` how far the request's history moves on: the tokens it
-    committed where it verified any, else 0)."""
-    r = cu_num_logits.shape[0] - 1
-    rows = (cu_num_logits[:-1].view(r, 1, 1) + cols).clamp_(max=max(num_rows - 1, 0))
-    count = cu_num_logits.diff()
-    return rows, count * (num_sampled > 0), num_sampled * (count > 0)
+                  cols: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``[N, O, R]`` int64 indices of each request's logits rows, requests
+    last, row j at ``[j, :, r]`` (``cols`` [N, O, 1]: j), clamped into the
+    step's ``num_rows`` rows; ``[R]`` how many are the request's and
+    verified: 0 for a prefill chunk that sampled nothing)."""
+    rows = (cu_num_logits[:-1] + cols).clamp_(max=max(num_rows - 1, 0))
+    return rows, cu_num_logits.diff() * (num_sampled > 0)
 
 
 def _rows_cols(n: int, o: int, device) -> torch.Tensor:
-    """``verified_rows``' ``cols``: row j at [0, j, :], for each of the
-    tables' o context orders (built once per shape: each call costs more
-    than its work)."""
+    """``verified_rows``' ``cols`` for the tables' o context orders (built
+    once per shape: each call costs more than its work)."""
     with torch.inference_mode(False):
-        return torch.arange(n, device=device).view(1, n, 1).expand(1, n, o).contiguous()
+        return torch.arange(n, device=device).view(n, 1, 1).expand(n, o, 1).contiguous()
 
 
 class DeviceRecyclingDrafter(DeviceDrafter):
@@ -54,9 +48,11 @@ class DeviceRecyclingDrafter(DeviceDrafter):
             t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
         n = step.num_tokens + 1
         cols = t.per_shape(("rows", n), lambda: _rows_cols(n, t.order, t.device))
-        rows, num_verified, shift = verified_rows(step.cu_num_logits, step.num_sampled, cols,
-                                                  step.verified_inputs.shape[0])
+        rows, num_verified = verified_rows(step.cu_num_logits, step.num_sampled, cols,
+                                           step.verified_inputs.shape[0])
+        # A request samples at most one token a logits row: its history
+        # moves on by num_sampled, 0 where it verified nothing.
         return t.learn_and_draft(
-            step.slots, step.verified_inputs.take(rows.select(2, 0)), step.top1_ids.take(rows),
-            step.top1_logprobs.take(rows), num_verified, shift, step.last_tokens,
+            step.slots, step.verified_inputs.take(rows[:, 0]), step.top1_ids.take(rows),
+            step.top1_logprobs.take(rows), num_verified, step.num_sampled, step.last_tokens,
             step.num_tokens)

@@ -59,15 +59,15 @@ class WalkBuffers:
 
 def walk(tables, b: WalkBuffers, window1: torch.Tensor, min_confidence: float
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The chains after ``window1`` [R, O] (each chain's last tokens plus
-    one, oldest first; 0: none): the stored token plus one of each step
+    """The chains after ``window1`` [R, 1, O] (each chain's last tokens
+    plus one, oldest first; 0: none): the stored token plus one of each step
     [R, k] (``b.tok1``, overwritten by the next walk of this shape), its
     probability [R, k] float64, and whether it is drafted [R, k] bool (up
     to the first unknown token or the first running product of
     probabilities below ``min_confidence``)."""
     key, tok1 = tables.key, tables.tok1
     contexts = tables.order > 1
-    torch.sum(window1.unsqueeze(1) * b.mix, 2, out=b.keys0)
+    torch.sum(window1 * b.mix, 2, out=b.keys0)
     for keys, shifted, entry, entry_ctx, keys_ctx, best, tok, nxt in b.steps:
         torch.remainder(keys, b.modulus, out=entry)
         entry.add_(b.offset)
