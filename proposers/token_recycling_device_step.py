@@ -17,20 +17,27 @@ from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
 
 
 def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor,
-                  cols: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  cols: torch.Tensor, num_rows: int, out: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``[N, O, R]`` int64 indices of each request's logits rows, requests
     last, row j at ``[j, :, r]`` (``cols`` [N, O, 1]: j), clamped into the
-    step's ``num_rows`` rows; ``[R]`` how many are the request's and
-    verified: 0 for a prefill chunk that sampled nothing)."""
-    rows = (cu_num_logits[:-1] + cols).clamp_(max=max(num_rows - 1, 0))
+    step's ``num_rows`` rows (written into ``out`` where given); ``[R]``
+    how many are the request's and verified: 0 for a prefill chunk that
+    sampled nothing)."""
+    rows = torch.add(cu_num_logits[:-1], cols, out=out).clamp_(max=max(num_rows - 1, 0))
     return rows, cu_num_logits.diff() * (num_sampled > 0)
 
 
-def _rows_cols(n: int, o: int, device) -> torch.Tensor:
-    """``verified_rows``' ``cols`` for the tables' o context orders (built
-    once per shape: each call costs more than its work)."""
-    with torch.inference_mode(False):
-        return torch.arange(n, device=device).view(n, 1, 1).expand(n, o, 1).contiguous()
+class _Rows:
+    """``verified_rows``' constants and buffer for r requests, n rows each
+    and the tables' o context orders, built once per shape (each call
+    costs more than its work): ``first`` is row j's index once."""
+
+    def __init__(self, r: int, n: int, o: int, device):
+        with torch.inference_mode(False):
+            self.cols = torch.arange(n, device=device).view(n, 1, 1).expand(n, o, 1).contiguous()
+            self.rows = torch.zeros(n, o, r, dtype=torch.int64, device=device)
+        self.first = self.rows[:, 0]
 
 
 class DeviceRecyclingDrafter(DeviceDrafter):
@@ -46,13 +53,13 @@ class DeviceRecyclingDrafter(DeviceDrafter):
             # The prefill's end is each new slot's history; its tokens seed
             # the tables (entries the target has not filled).
             t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
-        n = step.num_tokens + 1
-        cols = t.per_shape(("rows", n), lambda: _rows_cols(n, t.order, t.device))
-        rows, num_verified = verified_rows(step.cu_num_logits, step.num_sampled, cols,
-                                           step.verified_inputs.shape[0])
+        r, n = step.slots.shape[0], step.num_tokens + 1
+        c = t.per_shape(("rows", r, n), lambda: _Rows(r, n, t.order, t.device))
+        rows, num_verified = verified_rows(step.cu_num_logits, step.num_sampled, c.cols,
+                                           step.verified_inputs.shape[0], out=c.rows)
         # A request samples at most one token a logits row: its history
         # moves on by num_sampled, 0 where it verified nothing.
         return t.learn_and_draft(
-            step.slots, step.verified_inputs.take(rows[:, 0]), step.top1_ids.take(rows),
+            step.slots, step.verified_inputs.take(c.first), step.top1_ids.take(rows),
             step.top1_logprobs.take(rows), num_verified, step.num_sampled, step.last_tokens,
             step.num_tokens)
