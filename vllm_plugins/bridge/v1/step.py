@@ -40,7 +40,8 @@ def stash_topk(state: RunnerState, logits: torch.Tensor, spec_decode_metadata) -
         # SpecDecodeMetadata.num_draft_tokens: list[int] per request in batch
         # order; logits has num_draft + 1 rows per request in that order.
         num_draft = list(spec_decode_metadata.num_draft_tokens)
-        draft_ids = spec_decode_metadata.draft_token_ids.cpu().numpy()
+        draft_ids = spec_decode_metadata.draft_token_ids
+        draft_ids = (draft_ids if draft_ids.is_cpu else draft_ids.cpu()).numpy()
     else:
         num_draft = [0] * logits.shape[0]
     ids = lps = None
