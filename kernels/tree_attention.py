@@ -72,6 +72,10 @@ class RequestAttention:
     seq_len: int
     blocks: torch.Tensor    # int64 block ids covering its seq_len positions
     bias: torch.Tensor      # float32 [group * query_len, seq_len]
+    # Its blocks as runs of consecutive ids, ((index of the run's first
+    # block among the request's, its block id, blocks), ...), each run read
+    # as one strided view; None when there are too many runs to pay.
+    runs: tuple | None = None
 
 
 @dataclass
@@ -81,6 +85,25 @@ class TreeAttentionPlan:
     only gathers its own K/V and multiplies."""
 
     requests: list[RequestAttention]
+    # float32 buffers every layer of the step reuses (``Workspace``), made
+    # at its first layer, when the cache's head counts are known.
+    workspace: object = None
+
+
+# More runs of consecutive blocks than this and a request's K/V are gathered
+# with index_select and then converted: a run is a copy each for K and V.
+MAX_RUNS = 4
+
+
+def block_runs(blocks: list[int]) -> tuple | None:
+    """``RequestAttention.runs`` of a request's blocks."""
+    runs = []
+    start = 0
+    for i in range(1, len(blocks) + 1):
+        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
+            runs.append((start, blocks[start], i - start))
+            start = i
+    return tuple(runs) if len(runs) <= MAX_RUNS else None
 
 
 def plan_tree_attention(block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -111,18 +134,81 @@ def request_attention(first_row: int, seq_len: int, block_table_row: torch.Tenso
     bias = np.zeros((query_len, seq_len), dtype=np.float32)
     bias[:, seq_len - query_len:][~mask.cpu().numpy()] = -np.inf
     num_blocks = -(-seq_len // block_size)
-    return RequestAttention(first_row, first_row + query_len, seq_len,
-                            block_table_row[:num_blocks].long(),
+    blocks = block_table_row[:num_blocks].long()
+    return RequestAttention(first_row, first_row + query_len, seq_len, blocks,
                             torch.from_numpy(np.tile(bias, (group, 1)))
-                            .to(block_table_row.device))
+                            .to(block_table_row.device),
+                            block_runs(blocks.tolist()))
+
+
+class Workspace:
+    """float32 buffers that every layer of a step reuses, sized for its
+    largest request, and each request's views of them, made once: a layer
+    then converts its K/V and query straight into them and multiplies into
+    them, with no allocation and few views of its own. Requests run one
+    after another, so they share the buffers."""
+
+    def __init__(self, plan: TreeAttentionPlan, num_kv_heads: int, head_size: int,
+                 block_size: int, device: torch.device):
+        self.shape = (num_kv_heads, head_size, block_size, device)
+        positions = max(r.blocks.numel() for r in plan.requests) * block_size
+        rows = max(r.bias.shape[0] for r in plan.requests)
+        seq = max(r.seq_len for r in plan.requests)
+
+        def buffer(n):
+            return torch.empty(n, dtype=torch.float32, device=device)
+
+        kv = num_kv_heads * head_size * positions
+        rows_d = num_kv_heads * rows * head_size
+        buffers = (buffer(kv), buffer(kv), buffer(rows_d), buffer(num_kv_heads * rows * seq),
+                   buffer(rows_d))
+        self.views = [RequestViews(r, num_kv_heads, head_size, block_size, *buffers)
+                      for r in plan.requests]
+
+
+class RequestViews:
+    """One request's views of the workspace. K and V are held whole blocks
+    at a time, ``[kv_heads, D, blocks, block_size]`` and ``[kv_heads, blocks,
+    block_size, D]``, so a run of consecutive cache blocks is one copy; the
+    products read their first seq_len positions through strided views, and
+    softmax runs in place on the scores. That gives the bits of the plain
+    form on fresh contiguous copies (MKL's sums do not depend on the
+    operands' strides): tests/test_tree_attention_cpu.py compares the two
+    bit for bit."""
+
+    def __init__(self, r: RequestAttention, num_kv_heads: int, head_size: int,
+                 block_size: int, keys, values, query, scores, result):
+        query_len = r.last_row - r.first_row
+        rows = r.bias.shape[0]
+        group = rows // query_len
+        seq = r.seq_len
+        num_blocks = r.blocks.numel()
+        kv = num_kv_heads * head_size * num_blocks * block_size
+        self.key_blocks = keys[:kv].view(num_kv_heads, head_size, num_blocks, block_size)
+        self.value_blocks = values[:kv].view(num_kv_heads, num_blocks, block_size, head_size)
+        self.keys = self.key_blocks.view(num_kv_heads, head_size, -1)[:, :, :seq]
+        self.values = self.value_blocks.view(num_kv_heads, -1, head_size)[:, :seq]
+        self.key_runs = [self.key_blocks[:, :, first:first + n] for first, _, n in r.runs or ()]
+        self.value_runs = [self.value_blocks[:, first:first + n] for first, _, n in r.runs or ()]
+        rows_d = num_kv_heads * rows * head_size
+        self.query = query[:rows_d].view(num_kv_heads, rows, head_size)
+        # row g * query_len + t of kv head k is query head k * group + g of token t
+        self.query_in = self.query.view(num_kv_heads, group, query_len, head_size)
+        self.scores = scores[:num_kv_heads * rows * seq].view(num_kv_heads, rows, seq)
+        self.result = result[:rows_d].view(num_kv_heads, rows, head_size)
+        self.result_out = self.result.view(num_kv_heads, group, query_len, head_size) \
+            .permute(2, 0, 1, 3)
+        self.group = group
+        self.bias = r.bias.unsqueeze(0)
 
 
 def tree_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, plan: TreeAttentionPlan,
                            scale: float, out: torch.Tensor) -> torch.Tensor:
-    """One layer of a planned step: per request, its blocks' K/V gathered
-    once, then scores, bias, softmax and values as three batched matrix
-    operations over [kv_heads, group * query_len, positions] in float32.
+    """One layer of a planned step: per request, its blocks' K/V converted
+    to float32 as they are gathered, then scores, bias, softmax and values
+    as three batched matrix operations over [kv_heads, group * query_len,
+    positions] in float32.
 
     Keys are gathered as ``[kv_heads, head_size, positions]``, the order the
     scores' product reads, from the cache permuted to ``[kv_heads,
@@ -130,24 +216,41 @@ def tree_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
     block's keys transposed, that is a copy of whole contiguous rows, where
     gathering ``[positions, kv_heads, head_size]`` first transposes every
     block and the product then transposes it back."""
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
+    if not plan.requests:
+        return out
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    work = plan.workspace
+    if work is None or work.shape != (num_kv_heads, head_size, key_cache.shape[1],
+                                      query.device):
+        work = plan.workspace = Workspace(plan, num_kv_heads, head_size, key_cache.shape[1],
+                                          query.device)
     keys_by_head = key_cache.permute(2, 3, 0, 1)
-    for r in plan.requests:
-        query_len = r.last_row - r.first_row
-        keys_t = keys_by_head.index_select(2, r.blocks).view(num_kv_heads, head_size, -1)
-        values = value_cache.index_select(0, r.blocks).view(-1, num_kv_heads, head_size)
-        # [query_len, heads, D] -> [kv_heads, group * query_len, D]; head h = kv * group + g
-        q = query[r.first_row:r.last_row].float().view(query_len, num_kv_heads, group, head_size)
-        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * query_len, head_size)
-        scores = torch.baddbmm(r.bias.unsqueeze(0), q, keys_t[:, :, :r.seq_len].float(),
-                               alpha=scale)
-        probs = torch.softmax(scores, dim=-1)
-        result = torch.bmm(probs, values[:r.seq_len].transpose(0, 1).float())
-        out[r.first_row:r.last_row] = result.view(num_kv_heads, group, query_len, head_size) \
-            .permute(2, 0, 1, 3).reshape(query_len, num_heads, head_size).to(out.dtype)
+    values_by_head = value_cache.permute(2, 0, 1, 3)
+    for r, v in zip(plan.requests, work.views):
+        gather(keys_by_head, values_by_head, r, v)
+        v.query_in.copy_(query[r.first_row:r.last_row]
+                         .unflatten(1, (num_kv_heads, v.group)).permute(1, 2, 0, 3))
+        torch.baddbmm(v.bias, v.query, v.keys, alpha=scale, out=v.scores)
+        torch.softmax(v.scores, dim=-1, out=v.scores)
+        torch.bmm(v.scores, v.values, out=v.result)
+        out[r.first_row:r.last_row].unflatten(1, (num_kv_heads, v.group)).copy_(v.result_out)
     return out
+
+
+def gather(keys_by_head: torch.Tensor, values_by_head: torch.Tensor, r: RequestAttention,
+           v: RequestViews) -> None:
+    """The request's K and V blocks into ``v``'s float32 buffers, from the
+    cache seen as ``[kv_heads, D, blocks, block_size]`` (keys) and
+    ``[kv_heads, blocks, block_size, D]`` (values): a strided copy a run of
+    consecutive blocks, converting as it reads; else one index_select each
+    and a copy."""
+    if r.runs is None:
+        v.key_blocks.copy_(keys_by_head.index_select(2, r.blocks))
+        v.value_blocks.copy_(values_by_head.index_select(1, r.blocks))
+        return
+    for (_, block, n), keys, values in zip(r.runs, v.key_runs, v.value_runs):
+        keys.copy_(keys_by_head.narrow(2, block, n))
+        values.copy_(values_by_head.narrow(1, block, n))
 
 
 def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
