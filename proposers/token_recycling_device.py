@@ -38,13 +38,15 @@ token the request does not have, -1, adds nothing: a context that reaches
 before the request's start has the key of its known part, which is the
 entry the host's walk backs off to). The polynomial rolls: appending a
 token to the chain updates every order's key with one multiply-add, which
-keeps a drafted token at about a dozen tensor ops. The host version hashes
+keeps a drafted token at eight torch calls (``token_recycling_device_walk``;
+learning: ``token_recycling_device_learn``). The host version hashes
 differently, so the two place entries in different slots; with no two
 contexts in one slot they draft alike (tests/test_token_recycling_device.py).
 
 Memory: ``(E + 1) * 28 + (max_slots + 1) * (context_order - 1) * 8`` bytes;
 SmolLM2 (49152), 2^20 slots: 29.3 MiB (of which the write-order scratch
-8.4), against the host's 19 MiB.
+8.4), against the host's 19 MiB; and per batch shape a step has served,
+a few small buffers (``per_shape``).
 """
 
 from __future__ import annotations

@@ -72,3 +72,29 @@ def test_rows_past_a_request_are_clamped_and_not_counted():
     assert rows[:, 0].t().tolist() == [[0, 1, 2, 3], [4, 4, 4, 4]]
     assert torch.equal(rows[:, 0], rows[:, 1])
     assert count.tolist() == [4, 0]
+
+
+def test_the_v2_speculator_reads_nothing_back_either():
+    """``DeviceSpeculator.draft`` (the step's inputs from V2's input batch,
+    then the drafter) on meta tensors shaped as V2's: int32 input ids and
+    logits offsets, int64 state rows and last sampled tokens."""
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge.v2.device_speculator import DeviceSpeculator
+
+    tables = DeviceRecyclingTables(VOCAB, 3, 256, 8, 0.02, "meta")
+    proposer = SimpleNamespace(controller=None, device_drafter=lambda: DeviceRecyclingDrafter(
+        tables, seed_from_prompt=True))
+    config = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=K),
+                             scheduler_config=SimpleNamespace(max_num_seqs=8))
+    spec = DeviceSpeculator(config, torch.device("meta"), None, proposer)
+    slots, cu, inputs, top1, lps, sampled, last = step_inputs("meta", 3)
+    spec._seeded = {4: "a", 0: "b", 2: "c"}  # no request is new
+    batch = SimpleNamespace(idx_mapping=slots, idx_mapping_np=[4, 0, 2], req_ids=["a", "b", "c"],
+                            cu_num_logits=cu, input_ids=inputs.int(),
+                            logits_indices=torch.arange(inputs.shape[0], dtype=torch.int32,
+                                                        device="meta"))
+    spec.observe_logits(torch.zeros(inputs.shape[0], VOCAB, device="meta"), batch)
+    drafts = spec.draft(batch, 3, sampled, torch.zeros(8, 1, dtype=torch.int64, device="meta"), K)
+    assert drafts.device.type == "meta"
+    assert drafts.shape == (3, K) and drafts.dtype == torch.int64
