@@ -196,9 +196,8 @@ class RequestViews:
         self.query_in = self.query.view(num_kv_heads, group, query_len, head_size)
         self.scores = scores[:num_kv_heads * rows * seq].view(num_kv_heads, rows, seq)
         self.result = result[:rows_d].view(num_kv_heads, rows, head_size)
-        self.result_out = self.result.view(num_kv_heads, group, query_len, head_size) \
-            .permute(2, 0, 1, 3)
-        self.group = group
+        self.result_by_head = self.result.view(num_kv_heads, group, query_len, head_size)
+        self.group, self.query_len = group, query_len
         self.bias = r.bias.unsqueeze(0)
 
 
@@ -224,33 +223,58 @@ def tree_attention_planned(query: torch.Tensor, key_cache: torch.Tensor,
                                       query.device):
         work = plan.workspace = Workspace(plan, num_kv_heads, head_size, key_cache.shape[1],
                                           query.device)
-    keys_by_head = key_cache.permute(2, 3, 0, 1)
-    values_by_head = value_cache.permute(2, 0, 1, 3)
     for r, v in zip(plan.requests, work.views):
-        gather(keys_by_head, values_by_head, r, v)
-        v.query_in.copy_(query[r.first_row:r.last_row]
-                         .unflatten(1, (num_kv_heads, v.group)).permute(1, 2, 0, 3))
+        gather(key_cache, value_cache, r, v)
+        v.query_in.copy_(by_kv_head(query, r.first_row, v.query_len, v.group))
         torch.baddbmm(v.bias, v.query, v.keys, alpha=scale, out=v.scores)
         torch.softmax(v.scores, dim=-1, out=v.scores)
         torch.bmm(v.scores, v.values, out=v.result)
-        out[r.first_row:r.last_row].unflatten(1, (num_kv_heads, v.group)).copy_(v.result_out)
+        by_kv_head(out, r.first_row, v.query_len, v.group).copy_(v.result_by_head)
     return out
 
 
-def gather(keys_by_head: torch.Tensor, values_by_head: torch.Tensor, r: RequestAttention,
+# The views below are single as_strided calls: on a per-layer path, slicing,
+# permuting and unflattening cost a microsecond or two each.
+
+def by_kv_head(tokens: torch.Tensor, first: int, count: int, group: int) -> torch.Tensor:
+    """Rows ``first .. first + count`` of a [tokens, heads, D] tensor as
+    [kv_heads, group, count, D] (query head h = kv_head * group + g)."""
+    t, h, d = tokens.stride()
+    return tokens.as_strided((tokens.shape[1] // group, group, count, tokens.shape[2]),
+                             (group * h, h, t, d), tokens.storage_offset() + first * t)
+
+
+def key_blocks(key_cache: torch.Tensor, block: int, count: int) -> torch.Tensor:
+    """Blocks ``block .. block + count`` of [blocks, block_size, kv_heads, D]
+    keys as [kv_heads, D, count, block_size]."""
+    b, p, h, d = key_cache.stride()
+    return key_cache.as_strided((key_cache.shape[2], key_cache.shape[3], count,
+                                 key_cache.shape[1]), (h, d, b, p),
+                                key_cache.storage_offset() + block * b)
+
+
+def value_blocks(value_cache: torch.Tensor, block: int, count: int) -> torch.Tensor:
+    """Blocks ``block .. block + count`` of [blocks, block_size, kv_heads, D]
+    values as [kv_heads, count, block_size, D]."""
+    b, p, h, d = value_cache.stride()
+    return value_cache.as_strided((value_cache.shape[2], count, value_cache.shape[1],
+                                   value_cache.shape[3]), (h, b, p, d),
+                                  value_cache.storage_offset() + block * b)
+
+
+def gather(key_cache: torch.Tensor, value_cache: torch.Tensor, r: RequestAttention,
            v: RequestViews) -> None:
-    """The request's K and V blocks into ``v``'s float32 buffers, from the
-    cache seen as ``[kv_heads, D, blocks, block_size]`` (keys) and
-    ``[kv_heads, blocks, block_size, D]`` (values): a strided copy a run of
-    consecutive blocks, converting as it reads; else one index_select each
-    and a copy."""
+    """The request's K and V blocks into ``v``'s float32 buffers,
+    ``[kv_heads, D, blocks, block_size]`` and ``[kv_heads, blocks,
+    block_size, D]``: a strided copy a run of consecutive blocks, converting
+    as it reads; else one index_select each and a copy."""
     if r.runs is None:
-        v.key_blocks.copy_(keys_by_head.index_select(2, r.blocks))
-        v.value_blocks.copy_(values_by_head.index_select(1, r.blocks))
+        v.key_blocks.copy_(key_cache.permute(2, 3, 0, 1).index_select(2, r.blocks))
+        v.value_blocks.copy_(value_cache.permute(2, 0, 1, 3).index_select(1, r.blocks))
         return
     for (_, block, n), keys, values in zip(r.runs, v.key_runs, v.value_runs):
-        keys.copy_(keys_by_head.narrow(2, block, n))
-        values.copy_(values_by_head.narrow(1, block, n))
+        keys.copy_(key_blocks(key_cache, block, n))
+        values.copy_(value_blocks(value_cache, block, n))
 
 
 def tree_attention_torch(query: torch.Tensor, key_cache: torch.Tensor,
