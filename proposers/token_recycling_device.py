@@ -171,14 +171,15 @@ class DeviceRecyclingTables:
           where that is > 0): verified_tokens[r, 1:1 + a] are committed.
         """
         r, n = verified_tokens.shape
-        o, h = self.order, self.hist_len
+        h = self.hist_len
         b = self._learn_buffers(r, n)
         if h:
             torch.index_select(self.hist1, 0, slots, out=b.history_seq)
         torch.add(verified_tokens.t(), 1, out=b.verified_seq)
-        learn_rows(self, b, topk_ids[:, :, :1].permute(1, 2, 0).expand(n, o, r) + 1,
-                   topk_logprobs[:, :, :1].permute(1, 2, 0).expand(n, o, r).to(self.lp.dtype),
-                   num_verified)
+        top1 = b.top1_index(topk_ids)
+        lp = topk_logprobs.take(top1)
+        learn_rows(self, b, topk_ids.take(top1) + 1,
+                   lp if lp.dtype == self.lp.dtype else lp.to(self.lp.dtype), num_verified)
         if h:
             move_history(self, b, slots, (num_accepted + 1) * (num_verified > 0))
 

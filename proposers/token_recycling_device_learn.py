@@ -47,12 +47,26 @@ class LearnBuffers:
             self.window_base = torch.where(t < h, t, h + n) * r + req
             self.window_step = (t < h) * r
             self.window = torch.zeros(o, r, dtype=i64, device=dev)
+        self._top1: dict[int, torch.Tensor] = {}
         self.history_seq = self.seq[:h].t()
         self.verified_seq = self.seq[h:h + n]
         self.newest_seq = self.seq[h + n]
         self.history = self.window[:h].t()
         self.newest = self.window[h:].t()
         self.window_rows = self.window.t().unsqueeze(1)
+
+
+    def top1_index(self, ids: torch.Tensor) -> torch.Tensor:
+        """[N, O, R]: where row j's top-1 is in ``ids`` [R, N, K] (flat),
+        once for each context order."""
+        r, n, k = ids.shape
+        got = self._top1.get(k)
+        if got is None:
+            with torch.inference_mode(False):
+                got = torch.arange(0, r * n * k, k, device=ids.device).view(r, n).t()
+                got = self._top1[k] = got.unsqueeze(1).expand(n, self.powers.shape[0],
+                                                              r).contiguous()
+        return got
 
 
 def learn_rows(tables, b: LearnBuffers, tok1: torch.Tensor, lp: torch.Tensor,
