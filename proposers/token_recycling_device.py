@@ -26,7 +26,8 @@ plus one (0: none), so that a missing token adds nothing to a key:
   the adjacency matrix's top-1 for token ``t``, so a drafted token is one
   probe of one table; entry ``E`` is trash. The chain reads a matrix row's
   top-1 only, so the other k - 1 columns the host keeps (for its trees) are
-  not kept here;
+  not kept here. ``key`` and ``tok1`` are the columns of one ``kt``
+  ``[E + 1, 2]``: a probe reads both in one row (one call, one cache line);
 - ``hist1`` ``[max_slots + 1, context_order - 1]``: per request slot, the
   tokens before its newest committed one (0 where the request has none);
   row ``max_slots`` is the padding slot;
@@ -106,8 +107,9 @@ class DeviceRecyclingTables:
         # Constants and scratch of a step, per batch shape (``per_shape``).
         self._shapes: dict = {}
         dev, i64 = self.device, torch.int64
-        self.key = torch.full((self.entries + 1,), EMPTY_KEY, dtype=i64, device=dev)
-        self.tok1 = torch.zeros(self.entries + 1, dtype=i64, device=dev)
+        self.kt = torch.zeros(self.entries + 1, 2, dtype=i64, device=dev)
+        self.kt[:, 0] = EMPTY_KEY
+        self._columns()
         self.lp = torch.full((self.entries + 1,), -math.inf, device=dev)
         self.winner = torch.full((self.entries + 1,), -1, dtype=i64, device=dev)
         self.hist1 = torch.zeros(max_slots + 1, self.hist_len, dtype=i64, device=dev)
@@ -124,8 +126,11 @@ class DeviceRecyclingTables:
         self.offset = torch.tensor([self.slots - 1] + [0] * (o - 1), dtype=i64, device=dev)
         self.hist_cols = torch.arange(self.hist_len, dtype=i64, device=dev)
 
-    _TENSORS = ("key", "tok1", "lp", "winner", "hist1", "trash", "powers", "modulus",
-                "offset", "hist_cols")
+    _TENSORS = ("kt", "lp", "winner", "hist1", "trash", "powers", "modulus", "offset",
+                "hist_cols")
+
+    def _columns(self) -> None:
+        self.key, self.tok1 = self.kt[:, 0], self.kt[:, 1]
 
     def nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size()
@@ -136,6 +141,7 @@ class DeviceRecyclingTables:
         self.device = torch.device(device)
         for n in self._TENSORS:
             setattr(self, n, getattr(self, n).to(self.device))
+        self._columns()
         self._shapes.clear()
 
     def resize_slots(self, max_slots: int) -> None:

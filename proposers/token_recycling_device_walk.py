@@ -14,8 +14,10 @@ into it with ``out=``:
 - the longest context whose stored key matches is the first maximum of
   ``[hit_O, ..., hit_2, 1]`` (``argmax``): the constant 1 is the matrix,
   drafted from when no context matches whatever its own key says;
-- each step's entry and token land in ``[R, k]`` buffers; the drafted
-  tokens' log-probabilities are read once, after the walk.
+- a probe reads a row of the tables' ``kt`` (key and token) for every
+  order at once; the chosen column and token land in ``[R, k]`` buffers,
+  and the drafted entries and their log-probabilities are read once, after
+  the walk.
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ class WalkBuffers:
         o, dev, i64 = tables.order, tables.device, torch.int64
         with torch.inference_mode(False):
             self.keys = torch.zeros(r, k, o + 1, dtype=i64, device=dev)
-            self.entry = torch.zeros(r, k, o, dtype=i64, device=dev)
+            self.entry = torch.zeros(k, r, o, dtype=i64, device=dev)
+            self.probed = torch.zeros(r * o, 2, dtype=i64, device=dev)  # rows of kt
+            self.col = torch.zeros(r, k, dtype=i64, device=dev)
             self.tok1 = torch.zeros(r, k, dtype=i64, device=dev)
-            # Order 1: the entry is the matrix's, no choice to make.
-            self.best = self.entry.view(r, k) if o == 1 else torch.zeros(
-                r, k, dtype=i64, device=dev)
             self.hit = torch.ones(r, o, dtype=i64, device=dev)
+            # Order 1: the entry is the matrix's, no choice to make.
+            self.best = self.entry.view(k, r).t() if o == 1 else torch.zeros(
+                r, k, dtype=i64, device=dev)
             # Per-column constants, longest context first.
             self.modulus = tables.modulus.flip(0)
             self.offset = tables.offset.flip(0)
@@ -46,15 +50,21 @@ class WalkBuffers:
             # window[t] * PRIME**(O - 1 - t) over t >= c.
             t = torch.arange(o, device=dev)
             self.mix = tables.powers.flip(0).expand(o, o) * (t >= t.unsqueeze(1))
+        probed = self.probed.view(r, o, 2)
+        self.probed_key = probed[:, :o - 1, 0]
+        self.probed_tok1 = probed[:, :, 1]
         self.hit_ctx = self.hit[:, :o - 1]
         self.keys0 = self.keys[:, 0, :o]
+        self.entry_by_chain = self.entry.permute(1, 0, 2)
+        self.col_by_chain = self.col.unsqueeze(2)
+        self.best_by_chain = self.best.unsqueeze(2)
         self.steps = []
         for j in range(k):
             keys = self.keys[:, j, :o]
             self.steps.append((
-                keys, self.keys[:, j, 1:], self.entry[:, j], self.entry[:, j, :o - 1],
-                keys[:, :o - 1], self.best[:, j:j + 1], self.tok1[:, j:j + 1],
-                self.keys[:, j + 1, :o] if j + 1 < k else None))
+                keys, self.keys[:, j + 1, :o] if j + 1 < k else None, self.keys[:, j, 1:],
+                keys[:, :o - 1], self.entry[j], self.entry[j].view(-1), self.col[:, j:j + 1],
+                self.tok1[:, j:j + 1]))
 
 
 def walk(tables, b: WalkBuffers, window1: torch.Tensor, min_confidence: float
@@ -65,18 +75,22 @@ def walk(tables, b: WalkBuffers, window1: torch.Tensor, min_confidence: float
     probability [R, k] float64, and whether it is drafted [R, k] bool (up
     to the first unknown token or the first running product of
     probabilities below ``min_confidence``)."""
-    key, tok1 = tables.key, tables.tok1
     contexts = tables.order > 1
     torch.sum(window1 * b.mix, 2, out=b.keys0)
-    for keys, shifted, entry, entry_ctx, keys_ctx, best, tok, nxt in b.steps:
+    for keys, nxt, shifted, keys_ctx, entry, entry_flat, col, tok in b.steps:
         torch.remainder(keys, b.modulus, out=entry)
         entry.add_(b.offset)
         if contexts:
-            torch.eq(key.take(entry_ctx), keys_ctx, out=b.hit_ctx)
-            torch.gather(entry, 1, b.hit.argmax(1, keepdim=True), out=best)
-        torch.take(tok1, best, out=tok)
+            torch.index_select(tables.kt, 0, entry_flat, out=b.probed)
+            torch.eq(b.probed_key, keys_ctx, out=b.hit_ctx)
+            torch.gather(b.probed_tok1, 1, torch.argmax(b.hit, 1, keepdim=True, out=col),
+                         out=tok)
+        else:
+            torch.take(tables.tok1, entry, out=tok)
         if nxt is not None:
             torch.add(tok, shifted, alpha=tables.prime, out=nxt)
+    if contexts:
+        torch.gather(b.entry_by_chain, 2, b.col_by_chain, out=b.best_by_chain)
     prob = tables.lp.take(b.best).double().exp()
     stop = (b.tok1 == 0).logical_or_(prob.cumprod(1) < min_confidence)
     return b.tok1, prob, stop.cumsum(1) == 0
