@@ -279,23 +279,29 @@ class DeviceRecyclingTables:
         (the chain's estimated acceptance) falls below min_confidence; and
         each drafted token's stored probability [R, num_tokens] float32 (0
         where the draft is -1). Reads the tables only."""
-        window1 = torch.cat((self.hist1.index_select(0, slots),
-                             last_tokens.unsqueeze(1) + 1), 1)
-        return self._walk(window1, num_tokens)
+        r = slots.shape[0]
+        if num_tokens <= 0:
+            empty = last_tokens.new_zeros(r, 0, dtype=torch.int64)
+            return empty, empty.float()
+        b = self._walk_buffers(r, num_tokens)
+        if self.hist_len:
+            torch.index_select(self.hist1, 0, slots, out=b.window_history)
+        torch.add(last_tokens, 1, out=b.window_newest)
+        return self._chains(b, b.window)
 
     def walk(self, window: torch.Tensor, num_tokens: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """``propose`` from explicit contexts: ``window`` [R, context_order]
         holds each chain's last tokens, oldest first (-1: none)."""
-        return self._walk(window + 1, num_tokens)
-
-    def _walk(self, window1: torch.Tensor, num_tokens: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
         if num_tokens <= 0:
-            empty = window1.new_zeros(window1.shape[0], 0)
+            empty = window.new_zeros(window.shape[0], 0)
             return empty, empty.float()
-        b = self._walk_buffers(window1.shape[0], num_tokens)
-        tok1, prob, drafted = walk(self, b, window1.unsqueeze(1), self.min_confidence)
+        return self._chains(self._walk_buffers(window.shape[0], num_tokens),
+                            (window + 1).unsqueeze(1))
+
+    def _chains(self, b: WalkBuffers, window1: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        tok1, prob, drafted = walk(self, b, window1, self.min_confidence)
         return tok1 * drafted - 1, (prob * drafted).float()
 
     # ---------------------------------------------- the device route's step

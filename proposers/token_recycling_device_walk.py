@@ -40,6 +40,8 @@ class WalkBuffers:
             self.col = torch.zeros(r, k, dtype=i64, device=dev)
             self.tok1 = torch.zeros(r, k, dtype=i64, device=dev)
             self.hit = torch.ones(r, o, dtype=i64, device=dev)
+            # ``propose``'s window: each chain's history, then its newest token.
+            self.window = torch.zeros(r, 1, o, dtype=i64, device=dev)
             # Order 1: the entry is the matrix's, no choice to make.
             self.best = self.entry.view(k, r).t() if o == 1 else torch.zeros(
                 r, k, dtype=i64, device=dev)
@@ -50,6 +52,8 @@ class WalkBuffers:
             # window[t] * PRIME**(O - 1 - t) over t >= c.
             t = torch.arange(o, device=dev)
             self.mix = tables.powers.flip(0).expand(o, o) * (t >= t.unsqueeze(1))
+        self.window_history = self.window[:, 0, :o - 1]
+        self.window_newest = self.window[:, 0, o - 1]
         probed = self.probed.view(r, o, 2)
         self.probed_key = probed[:, :o - 1, 0]
         self.probed_tok1 = probed[:, :, 1]
