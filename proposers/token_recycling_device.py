@@ -53,6 +53,7 @@ a few small buffers (``per_shape``).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
@@ -105,7 +106,7 @@ class DeviceRecyclingTables:
         self.max_slots = max_slots
         self.prime = PRIME
         # Constants and scratch of a step, per batch shape (``per_shape``).
-        self._shapes: dict = {}
+        self._shapes: OrderedDict = OrderedDict()
         dev, i64 = self.device, torch.int64
         self.kt = torch.zeros(self.entries + 1, 2, dtype=i64, device=dev)
         self.kt[:, 0] = EMPTY_KEY
@@ -125,6 +126,10 @@ class DeviceRecyclingTables:
                                     dtype=i64, device=dev)
         self.offset = torch.tensor([self.slots - 1] + [0] * (o - 1), dtype=i64, device=dev)
         self.hist_cols = torch.arange(self.hist_len, dtype=i64, device=dev)
+
+    # A batch size of 256 requests takes about 0.3 MB (its learning, rows
+    # and walk shapes): 192 shapes, 64 batch sizes, stay near 20 MB.
+    SHAPES_KEPT = 192
 
     _TENSORS = ("kt", "lp", "winner", "hist1", "trash", "powers", "modulus", "offset",
                 "hist_cols")
@@ -345,12 +350,15 @@ class DeviceRecyclingTables:
         return self.per_shape(("walk", r, k), lambda: WalkBuffers(self, r, k))
 
     def per_shape(self, key, build):
-        """What depends only on a step's shape, built once (the number of
-        batch sizes a server sees is bounded; a stream of odd shapes, as
-        the V1 route's verified widths, is too, by starting over)."""
+        """What depends only on a step's shape, built once. The shapes a
+        server sees come and go with its batch sizes (and, on the V1 route,
+        its verified widths): the least recently used are let go past
+        ``SHAPES_KEPT``, so that these buffers stay far below the tables."""
         got = self._shapes.get(key)
         if got is None:
-            if len(self._shapes) >= 1024:
-                self._shapes.clear()
+            if len(self._shapes) >= self.SHAPES_KEPT:
+                del self._shapes[next(iter(self._shapes))]
             got = self._shapes[key] = build()
+        else:
+            self._shapes.move_to_end(key)
         return got
