@@ -269,3 +269,21 @@ def test_the_device_check_runs_on_cpu_tensors_without_vllm(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["host_ms"] > 0 and r["topk_ms"] > 0 and "graph_ms" not in r for r in rows)
+
+
+def test_a_step_s_outputs_outlive_the_next_step_of_its_shape():
+    """The walk's per-shape buffers are scratch: what propose returned is
+    not overwritten by the next call, nor lost when shapes are let go."""
+    t = _tables()
+    t.SHAPES_KEPT = 2
+    slots, verified, ids, lps, nv, na = _step_inputs(4, 3)
+    t.learn(slots, verified, ids, lps, torch.full((4,), 3), torch.full((4,), 2))
+    first = t.propose(slots, verified[:, 0], 4)
+    kept = [x.clone() for x in first]
+    t.propose(slots, verified[:, 1], 4)
+    for r in (1, 2, 3):  # other shapes push this one out, then it is rebuilt
+        t.propose(slots[:r], verified[:r, 0], 4)
+    assert all(torch.equal(a, b) for a, b in zip(first, kept))
+    again = t.propose(slots, verified[:, 0], 4)
+    assert all(torch.equal(a, b) for a, b in zip(again, kept))
+    assert len(t._shapes) <= 2
