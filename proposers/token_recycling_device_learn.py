@@ -55,7 +55,6 @@ class LearnBuffers:
         self.newest = self.window[h:].t()
         self.window_rows = self.window.t().unsqueeze(1)
 
-
     def top1_index(self, ids: torch.Tensor) -> torch.Tensor:
         """[N, O, R]: where row j's top-1 is in ``ids`` [R, N, K] (flat),
         once for each context order."""

@@ -102,7 +102,8 @@ class DeviceStep:
     verified_inputs: Any
     top1_ids: Any
     top1_logprobs: Any
-    # [R]: tokens each request emitted this step (0: a prefill chunk).
+    # [R]: tokens each request emitted this step (0: a prefill chunk), at
+    # most one a logits row.
     num_sampled: Any
     # [R] int64: each request's newest token.
     last_tokens: Any

@@ -99,7 +99,8 @@ def _first(x: torch.Tensor, n: int) -> torch.Tensor:
 def _newest(last_sampled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """[R] int64: each slot's last sampled token (V2's ``last_sampled_tokens``
     [max_num_reqs, 1] int64, one gather)."""
-    if last_sampled.dim() == 2 and last_sampled.shape[1] == 1 and last_sampled.is_contiguous():
+    if (last_sampled.dim() == 2 and last_sampled.shape[1] == 1 and last_sampled.is_contiguous()
+            and slots.dtype == torch.int64):
         newest = last_sampled.take(slots)
     else:
         newest = last_sampled[slots, 0]
