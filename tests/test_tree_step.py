@@ -384,3 +384,48 @@ def test_sampled_acceptance_draws_from_vllms_processed_rows():
     # Same seed, same draw, whatever the unseeded request drew.
     for t in range(7, trials, 97):
         assert seeded[t] == seeded[t % 7]
+
+
+def test_acceptance_reads_the_same_argmax_from_the_topk_stash():
+    """Greedy tree rows' argmax read from the step's top-k stash (the
+    blocked host path) accepts what a pass over the rows does: ties go to
+    the lower id, and a request whose rows hold a NaN or an infinity is
+    read whole."""
+    from vllm_plugins.topk import first_is_argmax, topk_logprobs_numpy
+
+    plan, _, _, _, _ = make_plan([("chain", 3, 4), ("tree", TREE_A, 8), ("tree", TREE_B, 1)])
+    num_draft = [2, len(TREE_A), len(TREE_B)]
+    starts = tree_step.request_rows(plan, num_draft)
+    rng = np.random.default_rng(5)
+    greedy = SimpleNamespace(temperature=0.0)
+    for trial in range(20):
+        logits = torch.from_numpy(rng.normal(size=(sum(n + 1 for n in num_draft), 1280))
+                                  .astype(np.float32))
+        for s, r in zip(starts, plan.requests):
+            for j, node in enumerate(r.tokens):   # the target agrees on some nodes
+                if rng.random() < 0.6:
+                    logits[s + 1 + r.parents[j], node] = 30.0
+        row = starts[0] + int(rng.integers(0, len(TREE_A) + 1))
+        logits[row, 700] = logits[row, 1100] = 60.0   # a tie: the lower id wins
+        if trial % 3 == 0:
+            logits[starts[1] + 1, int(rng.integers(0, 1280))] = \
+                float("nan") if trial % 2 else float("inf")
+        assert first_is_argmax(logits, 8)
+        lps, ids = topk_logprobs_numpy(logits, 8)
+        top1 = tree_step.stash_top1(ids, lps, starts, plan)
+        assert (top1[1] is None) == (trial % 3 == 0)
+        index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
+                           for s, r in zip(starts, plan.requests)])
+        want = tree_step.accept(plan, [greedy, greedy], logits[index], num_draft, None)
+        got = tree_step.accept(plan, [greedy, greedy], logits[index], num_draft, None, top1)
+        assert [(a.nodes, a.tokens) for a in got] == [(a.nodes, a.tokens) for a in want]
+
+
+def test_a_step_of_trees_only_makes_the_output_write_output_fills():
+    plan, _, _, _, _ = make_plan([("tree", TREE_A, 8), ("tree", TREE_B, 1)])
+    results = [SimpleNamespace(tokens=[4, 5, 6]), SimpleNamespace(tokens=[9])]
+    made = tree_step.trees_output(plan, results, 2, 7, "cpu").sampled_token_ids
+    out = torch.full((2, 8), -1, dtype=torch.int32)
+    tree_step.write_output(out, plan, results)
+    assert made.dtype == torch.int32 and torch.equal(made, out)
+    assert made[plan.requests[0].batch_index].tolist() == [4, 5, 6] + [-1] * 5

@@ -92,6 +92,15 @@ def blocked(logits: torch.Tensor, k: int) -> bool:
     return logits.is_cpu and rows > 0 and vocab // BLOCK > k
 
 
+def first_is_argmax(logits: torch.Tensor, k: int) -> bool:
+    """Whether ``topk_logprobs(logits, k)``'s first id of a row whose first
+    log-probability is finite is that row's first maximum, the index
+    ``argmax`` gives: so on the blocked host path, which keeps the lower of
+    tied ids first. A row holding NaN or an infinity has a NaN
+    log-probability (``log_softmax``) and must be read by ``argmax``."""
+    return k > 0 and blocked(logits, k)
+
+
 def host_topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """``topk_logprobs`` of CPU logits with more than k blocks a row, as
     arrays."""

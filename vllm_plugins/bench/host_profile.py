@@ -88,6 +88,7 @@ FUNCTIONS = (
     ("tree acceptance", "vllm_plugins.bridge.v1.runner:tree_sample"),
     ("tree acceptance", "vllm_plugins.bridge.v1.tree_step:accept"),
     ("tree acceptance", "vllm_plugins.bridge.v1.tree_step:write_output"),
+    ("tree acceptance", "vllm_plugins.bridge.v1.tree_step:trees_output"),
     ("K/V move", "vllm_plugins.bridge.v1.tree_step:kv_moves"),
     ("K/V move", "vllm_plugins.bridge.v1.tree_step:move_accepted_kv"),
     ("proposer step (own)", "vllm_plugins.proposers.base:PluginProposer.step"),

@@ -32,6 +32,7 @@ import torch
 from vllm_plugins.bridge import ranks
 from vllm_plugins.bridge.state import attach, state_of
 from vllm_plugins.bridge.v1 import grammar_awrs, step, tree_step
+from vllm_plugins.topk import first_is_argmax
 
 
 def is_ours(drafter) -> bool:
@@ -294,8 +295,7 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
         # process logits in place) does not run: the rows need no copy
         # (acceptance reads them in float32: tree_step.accept).
         tree_logits = logits
-        out = tree_step.empty_output(len(num_draft), spec_decode_metadata.max_spec_len,
-                                     logits.device)
+        out = None   # made from the results: tree_step.trees_output
         counters.tree_only_steps += 1
     else:
         index = torch.cat([torch.arange(s, s + len(r.tokens) + 1)
@@ -308,8 +308,13 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
     params = [getattr(runner.requests.get(r.req_id), "sampling_params", None)
               for r in plan.requests]
     results = tree_step.accept(plan, params, tree_logits, num_draft,
-                               runner.input_batch.sampling_metadata)
-    tree_step.write_output(out.sampled_token_ids, plan, results)
+                               runner.input_batch.sampling_metadata,
+                               stash_top1(state_of(runner).topk, logits, plan, starts))
+    if out is None:
+        out = tree_step.trees_output(plan, results, len(num_draft),
+                                     spec_decode_metadata.max_spec_len, logits.device)
+    else:
+        tree_step.write_output(out.sampled_token_ids, plan, results)
     src, dst = [], []
     for r, a in zip(plan.requests, results):
         s, d = tree_step.kv_moves(r, a.nodes)
@@ -320,6 +325,14 @@ def tree_sample(runner, original, plan, logits, spec_decode_metadata):
     counters.tree_requests += len(plan.requests)
     counters.kv_moved += len(src)
     return out
+
+
+def stash_top1(stash, logits, plan, starts) -> list | None:
+    """The tree rows' argmax from this step's top-k stash (``stash_topk``
+    ran first), where it holds the argmax's tie rule; else None."""
+    if stash is None or stash.ids is None or not first_is_argmax(logits, stash.ids.shape[1]):
+        return None
+    return tree_step.stash_top1(stash.ids, stash.logprobs, starts, plan)
 
 
 def held_generators(plan, sampling_metadata) -> list:

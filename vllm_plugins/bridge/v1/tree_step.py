@@ -35,6 +35,7 @@ bridge cuts their draft to its longest chain prefix before vLLM sees it.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -398,7 +399,7 @@ def attention_tree_refusal(model, isa_of=None) -> str | None:
 def request_rows(step: TreeStep, num_draft) -> list[int]:
     """First logits row of each tree request: vLLM's sampler input holds
     num_draft + 1 rows per request in batch order."""
-    offsets = np.concatenate([[0], np.cumsum(np.asarray(num_draft, dtype=np.int64) + 1)])
+    offsets = list(itertools.accumulate((int(n) + 1 for n in num_draft), initial=0))
     out = []
     for r in step.requests:
         if int(num_draft[r.batch_index]) != len(r.tokens):
@@ -409,8 +410,23 @@ def request_rows(step: TreeStep, num_draft) -> list[int]:
     return out
 
 
+def stash_top1(ids: np.ndarray | None, logprobs: np.ndarray | None, starts: list[int],
+               step: TreeStep) -> list[np.ndarray | None]:
+    """Per tree request, the argmax of each of its rows read from the step's
+    top-k stash (``ids``/``logprobs`` over every logits row, taken where
+    ``topk.first_is_argmax`` held), or None where a row's top-1
+    log-probability is not finite: that request's rows are read whole."""
+    if ids is None:
+        return [None] * len(step.requests)
+    out = []
+    for s, r in zip(starts, step.requests):
+        rows = slice(s, s + len(r.tokens) + 1)
+        out.append(ids[rows, 0] if np.isfinite(logprobs[rows, 0]).all() else None)
+    return out
+
+
 def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
-           sampling_metadata) -> list:
+           sampling_metadata, top1: list | None = None) -> list:
     """Each tree request's accepted path and emitted tokens
     (``vllm_plugins.tree.acceptance.TreeAcceptance``), in ``step`` order.
 
@@ -421,7 +437,9 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
     (``tree_allowed``); sampled ones sample from
     vLLM's own processing of those rows (temperature, top-k, top-p:
     ``apply_sampling_constraints``), each seeded request with its own
-    generator (``sampling_metadata.generators``, keyed by batch index)."""
+    generator (``sampling_metadata.generators``, keyed by batch index).
+    ``top1`` (``stash_top1``): greedy rows' argmax where the top-k stash
+    holds it, which saves a pass over the vocabulary."""
     reqs = step.requests
     starts = acceptance.row_starts([r.tokens for r in reqs])
     out: list = [None] * len(reqs)
@@ -432,7 +450,8 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
         return tree_logits[starts[i]:starts[i] + len(reqs[i].tokens) + 1]
 
     if greedy:
-        argmax = [acceptance.first_argmax(rows(i)) for i in greedy]
+        argmax = [acceptance.first_argmax(rows(i)) if top1 is None or top1[i] is None
+                  else torch.from_numpy(top1[i]) for i in greedy]
         got = acceptance.greedy_accept(
             [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy],
             argmax[0] if len(argmax) == 1 else torch.cat(argmax))
@@ -462,29 +481,37 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
     return out
 
 
-def empty_output(num_reqs: int, max_spec_len: int, device):
-    """vLLM's sampler output for a step of tree requests only, before
-    ``write_output`` fills it: the rejection sampler's [requests,
-    max_spec_len + 1] int32 token rows, all padding, and no logprobs."""
+def trees_output(step: TreeStep, results, num_reqs: int, max_spec_len: int, device):
+    """vLLM's sampler output for a step of tree requests only: the rejection
+    sampler's [requests, max_spec_len + 1] int32 token rows (the emitted
+    tokens, then padding), made in one call, and no logprobs."""
     from vllm.v1.outputs import SamplerOutput
 
-    return SamplerOutput(
-        sampled_token_ids=torch.full((num_reqs, max_spec_len + 1), PLACEHOLDER_TOKEN_ID,
-                                     dtype=torch.int32, device=device),
-        logprobs_tensors=None)
+    width = max_spec_len + 1
+    rows = [[PLACEHOLDER_TOKEN_ID] * width for _ in range(num_reqs)]
+    for r, row in zip(step.requests, output_rows(step, results, width)):
+        rows[r.batch_index] = row
+    return SamplerOutput(sampled_token_ids=torch.tensor(rows, dtype=torch.int32, device=device),
+                         logprobs_tensors=None)
 
 
 def write_output(sampled_token_ids: torch.Tensor, step: TreeStep, results) -> None:
-    """Tree requests' rows of vLLM's [requests, max_spec_len + 1] output:
-    the emitted tokens, then padding."""
-    width = sampled_token_ids.shape[1]
+    """Tree requests' rows of vLLM's [requests, max_spec_len + 1] output,
+    all in one write."""
+    rows = output_rows(step, results, sampled_token_ids.shape[1])
+    sampled_token_ids[[r.batch_index for r in step.requests]] = torch.tensor(
+        rows, dtype=sampled_token_ids.dtype, device=sampled_token_ids.device)
+
+
+def output_rows(step: TreeStep, results, width: int) -> list[list[int]]:
+    """Each tree request's output row: its emitted tokens, then padding."""
+    out = []
     for r, a in zip(step.requests, results):
         if len(a.tokens) > width:
             raise RuntimeError(f"request {r.req_id}: {len(a.tokens)} tokens emitted, "
                                f"vLLM's output holds {width}")
-        sampled_token_ids[r.batch_index] = torch.tensor(
-            [*a.tokens, *[PLACEHOLDER_TOKEN_ID] * (width - len(a.tokens))],
-            dtype=sampled_token_ids.dtype, device=sampled_token_ids.device)
+        out.append([*a.tokens, *[PLACEHOLDER_TOKEN_ID] * (width - len(a.tokens))])
+    return out
 
 
 def kv_moves(request: TreeRequest, path) -> tuple[list[int], list[int]]:
