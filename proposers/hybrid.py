@@ -353,7 +353,7 @@ class HybridProposer(PluginProposer):
                                ("source_accepted_tokens", self.source_accepted),
                                ("source_errors", self.source_errors),
                                ("source_off_steps", self.costs.off_steps)):
-            out[metric] = {name: int(values[k]) for k, name in enumerate(self.source_names)}
+            out[metric] = dict(zip(self.source_names, np.asarray(values).tolist()))
         return out
 
     def metrics(self) -> dict:

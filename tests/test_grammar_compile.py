@@ -254,7 +254,7 @@ def test_the_processor_reports_a_matcher_error_once_by_batch_index(
     from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor.state import LogitsProcessors
 
-    from vllm_plugins.bridge.grammar_hold import _take_matcher_errors
+    from vllm_plugins.bridge.grammar_weights import take_reports
     from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
 
     proc = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
@@ -270,10 +270,10 @@ def test_the_processor_reports_a_matcher_error_once_by_batch_index(
     batch = type("Batch", (), {})()
     batch.logitsprocs = LogitsProcessors([proc])
     batch.req_ids = ["req-good", "req-bad"]
-    errors = _take_matcher_errors(batch)
+    errors = take_reports(batch)[0]
     assert list(errors) == ["req-bad"] and errors["req-bad"]
     proc.apply(torch.zeros(2, vocab))
-    assert _take_matcher_errors(batch) == {}  # reported once
+    assert take_reports(batch)[0] == {}  # reported once
 
 
 def test_the_report_rides_the_runner_output_to_another_process():

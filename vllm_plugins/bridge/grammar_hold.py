@@ -247,17 +247,12 @@ def wrap_sample_tokens(original):
     @functools.wraps(original)
     def sample_tokens(self, grammar_output):
         out = original(self, grammar_output)
-        errors = _take_matcher_errors(self.input_batch)
-        weights = grammar_weights.take_weights(self.input_batch)
+        errors, weights = grammar_weights.take_reports(self.input_batch)
         if errors or weights:
             attach_to_output(out, {ERRORS_ATTR: errors, grammar_weights.WEIGHTS_ATTR: weights})
         return out
 
     return sample_tokens
-
-
-def _take_matcher_errors(input_batch: Any) -> dict[str, str]:
-    return grammar_weights.by_request_id(input_batch, "take_failures")
 
 
 def attach_to_output(out: Any, reports: dict[str, dict]) -> None:

@@ -34,24 +34,22 @@ TOTALS_ATTR = "_vllm_plugins_awrs_totals"
 OUTPUT_KEY = "vllm_plugins"
 
 
-def by_request_id(input_batch: Any, take: str) -> dict[str, Any]:
-    """What each grammar processor's ``take`` method hands over by batch
-    index (this step's rows), keyed by request id instead."""
+def take_reports(input_batch: Any) -> tuple[dict[str, str], dict[str, list[float]]]:
+    """This step's (matcher errors, AWRS weights) of the grammar processors'
+    requests, by request id: what ``sample_tokens`` hands the scheduler,
+    read in one pass over the processors (it runs after every step)."""
     procs = getattr(input_batch, "logitsprocs", None)
     if procs is None:
-        return {}
-    out: dict[str, Any] = {}
+        return {}, {}
+    errors: dict[str, str] = {}
+    weights: dict[str, list[float]] = {}
     req_ids = input_batch.req_ids
     for proc in grammar_processors(procs):
-        for index, value in getattr(proc, take)().items():
-            if index < len(req_ids) and req_ids[index] is not None:
-                out[req_ids[index]] = value
-    return out
-
-
-def take_weights(input_batch: Any) -> dict[str, list[float]]:
-    """This step's weights of the grammar processors' requests, by request id."""
-    return by_request_id(input_batch, "take_awrs_weights")
+        for out, taken in ((errors, proc.take_failures()), (weights, proc.take_awrs_weights())):
+            for index, value in taken.items():
+                if index < len(req_ids) and req_ids[index] is not None:
+                    out[req_ids[index]] = value
+    return errors, weights
 
 
 def before_update(scheduler: Any, output: Any) -> dict[str, tuple[Any, int]] | None:
