@@ -29,6 +29,7 @@ import torch
 from vllm_plugins.bridge.v2.drafter_base import V2Drafter
 from vllm_plugins.drafter import DeviceStep
 from vllm_plugins.proposers.draft_length import GoodputController
+from vllm_plugins.topk import topk_logprobs
 
 
 class DeviceSpeculator(V2Drafter):
@@ -47,11 +48,12 @@ class DeviceSpeculator(V2Drafter):
 
     def observe_logits(self, logits: torch.Tensor, input_batch) -> None:
         """The target's top-1 and its log-probability at every row, on the
-        logits' device."""
+        logits' device (``topk_logprobs``: on a CPU its compiled pass into a
+        kept buffer, where torch's ``logsumexp`` over a vocabulary costs
+        more than the rest of the step)."""
         with torch.no_grad():
-            x = logits.float()
-            best, ids = x.max(dim=-1)
-            self._top1 = (ids, best - torch.logsumexp(x, dim=-1))
+            lps, ids = topk_logprobs(logits, 1)
+            self._top1 = (ids[:, 0], lps[:, 0])
 
     def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
               last_sampled: torch.Tensor, step_k: int) -> torch.Tensor:
