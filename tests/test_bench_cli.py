@@ -198,3 +198,25 @@ def test_second_turns_put_the_first_answer_in_the_conversation():
     assert [render(Chat(), q) for q in out] == ["user:b?|assistant:B|user:c?",
                                                "user:d?|assistant:D|user:e?"]
     assert render(Chat(), questions[1]) == "user:b?"
+
+
+def test_tree_profile_times_attention_with_the_tree_route_still_applied():
+    """``tree-profile`` wraps vLLM's CPU attention before the bridge's
+    patches: the tree route stays an applied per-instance patch (a tree
+    step holds it on the layers), and its replacement is the timed one."""
+    import subprocess
+    import sys
+
+    code = (
+        "from collections import defaultdict\n"
+        "from vllm_plugins.bench.tree_profile import ATTENTION_ROUTE, time_attention\n"
+        "from vllm_plugins.bridge.patches import named\n"
+        "spent = defaultdict(float)\n"
+        "time_attention(spent)\n"
+        "patch = named(ATTENTION_ROUTE)\n"
+        "assert patch.is_applied(), 'the tree route is no longer applied'\n"
+        "assert patch.replacement().__qualname__.startswith('timer'), "
+        "patch.replacement().__qualname__\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -30,13 +30,18 @@ from collections import defaultdict
 
 CHAIN, TREE = "chain", "tree"
 
+# The attention layers, timed by ``time_attention``, and the bridge's tree
+# route on them.
+ATTENTION = ("attention layers (all)", "vllm.v1.attention.backends.cpu_attn",
+             "CPUAttentionBackendImpl.forward")
+ATTENTION_ROUTE = "tree.cpu_attention"
+
 # (label, module, attribute) of each timed part. Callers reach each through
 # its module (or class), so replacing that attribute times every call.
 PARTS = (
     ("plan (positions, masks)", "vllm_plugins.bridge.v1.tree_step", "plan"),
     ("rotary positions by depth", "vllm_plugins.bridge.v1.tree_step", "depth_positions"),
-    ("attention layers (all)", "vllm.v1.attention.backends.cpu_attn",
-     "CPUAttentionBackendImpl.forward"),
+    ATTENTION,
     ("  tree path's plan", "vllm_plugins.bridge.v1.tree_step", "plan_attention"),
     ("  tree rows", "vllm_plugins.bridge.v1.tree_step", "tree_attention_planned"),
     ("sampling (all)", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner._sample"),
@@ -47,22 +52,55 @@ PARTS = (
 
 
 def install_timers(spent: dict) -> None:
-    """Wraps every part of ``PARTS`` so its seconds add up in ``spent``."""
+    """Wraps every part of ``PARTS`` but the attention layers
+    (``time_attention``) so its seconds add up in ``spent``."""
     for label, module, attr in PARTS:
+        if (label, module, attr) == ATTENTION:
+            continue
         owner = importlib.import_module(module)
         *path, name = attr.split(".")
         for p in path:
             owner = getattr(owner, p)
-        original = getattr(owner, name)
+        setattr(owner, name, timer(spent, label, getattr(owner, name), {}))
 
-        def timed(*args, _original=original, _label=label, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_label] += time.perf_counter() - t0
 
-        setattr(owner, name, timed)
+def timer(spent: dict, label: str, fn, running: dict):
+    """``fn`` adding its seconds to ``spent[label]``; timers sharing
+    ``running`` count a call within another's once, in the outer one."""
+
+    def timed(*args, **kwargs):
+        if running.get(label):
+            return fn(*args, **kwargs)
+        running[label] = True
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            running[label] = False
+            spent[label] += time.perf_counter() - t0
+
+    return timed
+
+
+def time_attention(spent: dict) -> None:
+    """Times the attention layers as one part on both engines: vLLM's CPU
+    attention as the class runs it (a chain step, and the rows a tree step
+    leaves to vLLM), and the bridge's per-instance tree route
+    (``tree.cpu_attention``) that a tree step's layers run instead. The
+    class's timer goes on before the bridge's patches, which then wrap it
+    as vLLM's own (so the route stays an applied patch), and the route's
+    replacement is rebuilt timed; the vLLM call within it counts once."""
+    from vllm_plugins.bridge import install
+    from vllm_plugins.bridge.patches import named
+    from vllm_plugins.bridge.patching import rebuild
+
+    label, module, attr = ATTENTION
+    owner_name, name = attr.split(".")
+    owner = getattr(importlib.import_module(module), owner_name)
+    running: dict = {}
+    setattr(owner, name, timer(spent, label, vars(owner)[name], running))
+    install()
+    rebuild(named(ATTENTION_ROUTE), lambda fn: timer(spent, label, fn, running))
 
 
 def as_chain(drafts):
@@ -110,12 +148,13 @@ def main(argv=None) -> int:
     from vllm_plugins.proposers.base import PluginProposer
 
     model = resolve_model(args.model)
+    spent: dict = defaultdict(float)
+    time_attention(spent)   # before the engines: it applies the bridge's patches
     engines = {shape: build_engine(model, {
         "method": "token_recycling", "num_speculative_tokens": args.nodes,
         "draft_shape": "tree", "draft_length": "fixed", "min_confidence": 0})
         for shape in (CHAIN, TREE)}
     # After the engines: our patches are in place, and the timers wrap them.
-    spent: dict = defaultdict(float)
     install_timers(spent)
     records: list[dict] = []
     current = {"engine": ""}
