@@ -428,7 +428,7 @@ def test_prepare_inputs_computes_slots_before_the_forward_reads_positions():
     assert params(rejection_sampler.apply_sampling_constraints) == [
         "logits", "cu_num_draft_tokens", "sampling_metadata"]
     # bridge/v1/runner.py tree_sample: a step of tree requests only skips the
-    # rejection sampler (tree_step.empty_output stands in for its output),
+    # rejection sampler (tree_step.trees_output stands in for its output),
     # which is all _sample does with drafts besides async-scheduling updates.
     from vllm.v1.outputs import SamplerOutput
 
