@@ -46,12 +46,16 @@ def test_inverse_cdf_draws_follow_the_softmax(width):
     n = 4000
     counts = [Counter(), Counter(), Counter()]
     top = int(logits[0].argmax())
-    for _ in range(n):
-        draws = row_weights(logits, [0, 1], temps)
-        counts[0][draws[0].draw()] += 1
-        counts[1][draws[1].draw()] += 1
-        draws[0].remove(top)
-        counts[2][draws[0].draw()] += 1
+    # The draws read torch's global generator: seeded here (and put back
+    # after), so the test's outcome does not depend on the tests before it.
+    with torch.random.fork_rng():
+        torch.manual_seed(width)
+        for _ in range(n):
+            draws = row_weights(logits, [0, 1], temps)
+            counts[0][draws[0].draw()] += 1
+            counts[1][draws[1].draw()] += 1
+            draws[0].remove(top)
+            counts[2][draws[0].draw()] += 1
     for i, (row, t) in enumerate([(0, 0.7), (1, 1.3), (0, 0.7)]):
         p = torch.softmax(logits[row].double() / t, 0)
         if i == 2:
