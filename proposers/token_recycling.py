@@ -174,9 +174,9 @@ class TokenRecyclingProposer(PluginProposer):
 
     def learn(self, ctx: StepContext) -> None:
         """Tables <- every verified row of the step: a few requests' chains
-        by one compiled call each, more in one vectorised pass (row by row,
-        a Python loop was most of the learning time); a request's prompt
-        seeds the tables the first time it is seen."""
+        by one compiled call each, more in one vectorised pass (a Python
+        loop row by row would be most of the learning time); a request's
+        prompt seeds the tables the first time it is seen."""
         if self.device_chains is not None:
             self.device_chains.learn(ctx)
             return

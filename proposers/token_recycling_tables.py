@@ -263,17 +263,9 @@ def _learn_chain(ids, logp, ctx_key, ctx_tok, ctx_logp, order, context, base, ve
         seq[i] = context[lo + i]
     for j in range(1, rows):
         seq[base - lo + j - 1] = verified[j]
-    slots = len(ctx_key)
-    for j in range(rows):
-        end = base - lo + j
-        for n in range(2, order + 1):
-            if end - n < 0:
-                break
-            h = _hash(seq, end, n)
-            slot = h % slots
-            ctx_key[slot] = h
-            ctx_tok[slot] = topk_ids[j, 0]
-            ctx_logp[slot] = topk_lps[j, 0]
+    _learn_contexts(ctx_key, ctx_tok, ctx_logp, order, seq,
+                    np.arange(base - lo, base - lo + rows), np.zeros(rows, np.int64),
+                    topk_ids[:rows, 0], topk_lps[:rows, 0])
 
 
 @cached_njit
