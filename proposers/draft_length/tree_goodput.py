@@ -30,9 +30,11 @@ import numpy as np
 from vllm_plugins.proposers.draft_length.acceptance import EPS
 from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.controllers import Observation, trim
-from vllm_plugins.proposers.draft_length.goodput import GoodputController, goodput_allocation
-from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree, read_tree,
-                                                              well_formed)
+from vllm_plugins.proposers.draft_length.goodput import (_NO_SIZES, GoodputController,
+                                                        _allocation, goodput_allocation)
+from vllm_plugins.proposers.jit import cached_njit
+from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree_into,
+                                                              read_tree, well_formed)
 
 if TYPE_CHECKING:
     from vllm_plugins.step_context import Drafts, StepContext
@@ -60,18 +62,35 @@ def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
     chain allocation prices without the tree term, so charging the term to
     every tree allocation never loses the optimum.
     """
-    as_tree = goodput_allocation(q, valid, intercept, slope, verify_step_s + tree_step_s,
-                                 new_shape_s, warm_tokens)
-    as_chain = goodput_allocation(q_chain, valid_chain, intercept, slope, verify_step_s,
-                                  new_shape_s, warm_tokens)
+    warm = _NO_SIZES if warm_tokens is None or new_shape_s <= 0 else warm_tokens
+    keep, goodput, tokens, as_tree = _both_shapes(
+        np.ascontiguousarray(q, np.float64), np.ascontiguousarray(valid, np.bool_),
+        np.ascontiguousarray(q_chain, np.float64), np.ascontiguousarray(valid_chain, np.bool_),
+        float(intercept), float(slope), float(verify_step_s), float(tree_step_s),
+        float(new_shape_s), np.asarray(warm, np.int64), warm_tokens is not None)
+    return keep, goodput, tokens, TREE if as_tree else CHAIN
+
+
+@cached_njit
+def _both_shapes(q, valid, q_chain, valid_chain, intercept, slope, verify_step_s, tree_step_s,
+                 new_shape_s, warm_tokens, shapes_known):
+    """``tree_allocation``'s two allocations (``goodput._allocation``) in one
+    call: (kept per row, expected goodput, expected tokens, the tree shape
+    won). One compiled call a step rather than two behind their wrappers'
+    conversions."""
+    as_tree = _allocation(q, valid, intercept, slope, verify_step_s + tree_step_s,
+                          new_shape_s, warm_tokens, shapes_known)
+    as_chain = _allocation(q_chain, valid_chain, intercept, slope, verify_step_s,
+                           new_shape_s, warm_tokens, shapes_known)
     if as_tree[1] > as_chain[1]:
-        return (*as_tree, TREE)
-    return (*as_chain, CHAIN)
+        return as_tree[0], as_tree[1], as_tree[2], True
+    return as_chain[0], as_chain[1], as_chain[2], False
 
 
 @dataclass
 class TreeRow:
-    """One request's offered tree at ``decide``."""
+    """One request's offered tree at ``decide`` (the q the rule reads of
+    its nodes went straight into the step's matrices: ``price_tree_into``)."""
 
     index: int              # batch row
     tokens: np.ndarray
@@ -79,11 +98,8 @@ class TreeRow:
     depth: np.ndarray       # root children at 1
     conf: np.ndarray        # the proposer's conditional confidence per node
     q_raw: np.ndarray       # path probability before its calibration
-    q: np.ndarray           # as the rule reads it (non-increasing down a path)
     ranked: np.ndarray      # the tree shape's node order
-    path: list[int]         # the chain shape's nodes
-    q_ranked: np.ndarray    # q of the ranked nodes, in that order
-    q_path: np.ndarray      # q of the path's nodes
+    path: np.ndarray        # the chain shape's nodes
 
 
 @dataclass
@@ -132,7 +148,9 @@ class TreeGoodputController(GoodputController):
         self.path_calibration = OutcomeCalibrator() if options["calibrate_prefix"] else None
         self._sent: dict[str, SentTree] = {}
         self._step_trees: TreeStep | None = None
-        self._layouts: dict[int, tuple[list[int], list[int]]] = {}
+        # Batch row -> (nodes sent, their parents as sent, the nodes as an array).
+        self._layouts: dict[int, tuple[list[int], list[int], np.ndarray]] = {}
+        self._price_capacity = -1   # _price_state
         self._verified_a_tree = False
         self._tree_probe_at = -self._TREE_PROBE_GAP
         self.tree_probes = 0
@@ -223,44 +241,56 @@ class TreeGoodputController(GoodputController):
         keep = self.decide(ctx, drafts, observation)
         layouts, self._layouts = self._layouts, {}
         out = trim(drafts, keep)
-        for i, (nodes, parents) in layouts.items():
-            out.tokens[i] = [int(drafts.tokens[i][v]) for v in nodes]
-            out.confidence[i] = np.asarray(drafts.confidence[i])[nodes]
+        for i, (tokens, parents, layout) in layouts.items():
+            out.tokens[i] = tokens
+            out.confidence[i] = np.asarray(drafts.confidence[i])[layout]
             out.parents[i] = parents
         return out
 
-    def _tree_rows(self, drafts: Drafts, lengths: np.ndarray) -> np.ndarray | None:
-        """Rows whose draft is a tree this policy reads node by node: with
-        parents and confidences, without probability rows (a stochastic
-        tree's acceptance is not what its tokens show), and well formed;
-        None where no row can be (chains: the common step)."""
+    def _tree_rows(self, drafts: Drafts, lengths: np.ndarray
+                   ) -> list[tuple[int, np.ndarray]] | None:
+        """(batch row, its parents as an array) of each row whose draft is a
+        tree this policy reads node by node: with parents and confidences,
+        without probability rows (a stochastic tree's acceptance is not what
+        its tokens show), and well formed; None where no row can be
+        (chains)."""
         if (not self.shapes_trees or not self.uses_confidence or drafts.parents is None
                 or drafts.confidence is None):
             return None
-        out = np.zeros(len(lengths), dtype=bool)
-        for i, n in enumerate(lengths):
+        out = []
+        for i, n in enumerate(lengths.tolist()):
             if n == 0 or i >= len(drafts.parents) or drafts.parents[i] is None \
                     or drafts.confidence[i] is None:
                 continue
             if drafts.probs is not None and i < len(drafts.probs) \
                     and drafts.probs[i] is not None:
                 continue
-            if len(drafts.confidence[i]) >= n and \
-                    well_formed(np.asarray(drafts.parents[i][:n], np.int64), n):
-                out[i] = True
+            if len(drafts.confidence[i]) >= n:
+                parents = np.asarray(drafts.parents[i][:n], np.int64)
+                if well_formed(parents, n):
+                    out.append((i, parents))
         return out
 
     def _keep(self, ctx: StepContext, drafts: Drafts, lengths: np.ndarray,
               observation: Observation, bound: np.ndarray) -> np.ndarray:
-        trees = self._tree_rows(drafts, lengths)
-        if trees is None or not trees.any():
+        found = self._tree_rows(drafts, lengths)
+        if not found:
             return super()._keep(ctx, drafts, lengths, observation, bound)
         rows = self._rows(ctx, lengths, observation)
-        chain_lengths = np.where(trees, 0, lengths)
-        tree_rows = self._candidates(rows, drafts, lengths, trees)
-        # A few rows: Python's max is cheaper than numpy's reduction.
-        batch, chain_width = len(lengths), max(chain_lengths.tolist())
-        width = max(chain_width, max(len(t.tokens) for t in tree_rows))
+        batch = len(lengths)
+        every_row = len(found) == batch   # the common step: every row a tree
+        if every_row:
+            chain_lengths = np.zeros(batch, np.int64)
+            chain_width = 0
+        else:
+            trees = np.zeros(batch, dtype=bool)
+            for i, _ in found:
+                trees[i] = True
+            chain_lengths = np.where(trees, 0, lengths)
+            # A few rows: Python's max is cheaper than numpy's reduction.
+            chain_width = max(chain_lengths.tolist())
+        # A tree row offers lengths[i] nodes, a chain row lengths[i] drafts.
+        width = max(lengths.tolist())
         q = np.zeros((batch, width))
         q_raw = conf = None
         if chain_width:
@@ -269,45 +299,57 @@ class TreeGoodputController(GoodputController):
         valid = self._prefixes[chain_lengths, :width]
         q_chain, valid_chain = q.copy(), valid.copy()
         lengths_chain = chain_lengths.copy()
-        for t in tree_rows:
-            n, k = len(t.tokens), len(t.path)
-            q[t.index, :n] = t.q_ranked
-            valid[t.index, :n] = True
-            q_chain[t.index, :k] = t.q_path
-            valid_chain[t.index, :k] = True
-            lengths_chain[t.index] = k
+        tree_rows = self._candidates(rows, drafts, lengths, found, q, valid, q_chain,
+                                     valid_chain, lengths_chain)
         step = self._step_trees = TreeStep(tree_rows, q_chain, valid_chain, lengths_chain)
         try:
             keep = self._choose(lengths, q, valid, observation)
         finally:
             self._step_trees = None
         keep = np.minimum(keep, lengths if step.mode == TREE else lengths_chain)
+        if every_row:
+            self._settle(rows, drafts, chain_lengths, chain_lengths, bound, q_raw, conf)
+            self._lay_out(ctx, rows, step, keep)
+            return keep
         kept = self._settle(rows, drafts, chain_lengths, np.where(trees, 0, keep), bound,
                             q_raw, conf)
         self._lay_out(ctx, rows, step, keep)
         return np.where(trees, keep, kept)
 
     def _candidates(self, rows: np.ndarray, drafts: Drafts, lengths: np.ndarray,
-                    trees: np.ndarray) -> list[TreeRow]:
+                    found: list[tuple[int, np.ndarray]], q: np.ndarray, valid: np.ndarray,
+                    q_chain: np.ndarray, valid_chain: np.ndarray, lengths_chain: np.ndarray
+                    ) -> list[TreeRow]:
         """Each tree row's nodes with their calibrated path probabilities,
-        ranked (the tree shape) and its best path (the chain shape)."""
-        calibrator = self.calibrator
-        tables = (*calibrator.kernel_state()[1:8], EPS)
-        cal = self.path_calibration
-        calibrate = cal is not None
-        outcomes = ((OutcomeCalibrator.EDGES, cal.s, cal.e) if calibrate
-                    else (_NO_EDGES, _NO_EDGES, _NO_EDGES))
+        ranked (the tree shape, into ``q``/``valid``) and its best path (the
+        chain shape, into ``q_chain``/``valid_chain``/``lengths_chain``)."""
+        state = self._price_state()
         out = []
-        for i in np.nonzero(trees)[0].tolist():
+        for i, parents in found:
             n = int(lengths[i])
-            parents = np.asarray(drafts.parents[i][:n], np.int64)
             conf = np.asarray(drafts.confidence[i][:n], np.float64)
-            depth, q_raw, q, ranked, path, q_ranked, q_path = price_tree(
-                parents, conf, int(rows[i]), calibrator.depth - 1, *tables, calibrate,
-                *outcomes, OutcomeCalibrator._STRENGTH, EPS, 1.0 - EPS)
+            depth, q_raw, ranked, path = price_tree_into(
+                parents, conf, int(rows[i]), *state, i, q, valid, q_chain, valid_chain,
+                lengths_chain)
             out.append(TreeRow(i, np.asarray(drafts.tokens[i][:n], np.int64), parents, depth,
-                               conf, q_raw, q, ranked, path.tolist(), q_ranked, q_path))
+                               conf, q_raw, ranked, path))
         return out
+
+    def _price_state(self) -> tuple:
+        """``price_tree``'s arguments after the slot row: the confidence
+        calibration's tables (``_kernel_state``, whose slot arrays are
+        replaced when the slots grow) and the outcome calibration's, which
+        are updated in place."""
+        cal_state = self._kernel_state()[3]
+        if self._price_capacity != self._state_capacity:
+            cal = self.path_calibration
+            calibrate = cal is not None
+            outcomes = ((OutcomeCalibrator.EDGES, cal.s, cal.e) if calibrate
+                        else (_NO_EDGES, _NO_EDGES, _NO_EDGES))
+            self._price = (self.calibrator.depth - 1, *cal_state[1:8], EPS, calibrate,
+                           *outcomes, OutcomeCalibrator._STRENGTH, EPS, 1.0 - EPS)
+            self._price_capacity = self._state_capacity
+        return self._price
 
     def _choose(self, lengths, q, valid, observation) -> np.ndarray:
         step = self._step_trees
@@ -333,9 +375,14 @@ class TreeGoodputController(GoodputController):
             step.mode = TREE
             return goodput_allocation(q, valid, intercept, slope, cost.verify_step_s,
                                       cost.new_shape_s, sizes)
-        keep, goodput, tokens, step.mode = tree_allocation(
-            q, valid, step.q_chain, step.valid_chain, intercept, slope, cost.verify_step_s,
-            cost.tree_step_s, cost.new_shape_s, sizes)
+        # ``tree_allocation`` without its conversions: the step's matrices are
+        # already contiguous float64 and bool.
+        new_shape_s = cost.new_shape_s
+        keep, goodput, tokens, as_tree = _both_shapes(
+            q, valid, step.q_chain, step.valid_chain, float(intercept), float(slope),
+            float(cost.verify_step_s), float(cost.tree_step_s), float(new_shape_s),
+            _NO_SIZES if sizes is None or new_shape_s <= 0 else sizes, sizes is not None)
+        step.mode = TREE if as_tree else CHAIN
         return keep, goodput, tokens
 
     def _tree_probe_due(self) -> bool:
@@ -347,31 +394,34 @@ class TreeGoodputController(GoodputController):
         """Each tree row's kept nodes in the order sent, and what its next
         step is read against."""
         kept_any = False
+        # Confidences come with the drafts: no length bound from history.
+        conf_seen = self.slots.arrays["conf_seen"]
+        as_tree = step.mode == TREE
         for t in step.rows:
             k = int(keep[t.index])
-            if step.mode == TREE:
+            if as_tree:
                 layout = t.ranked[:k]
                 relaid, tree = lay_out(t.parents, layout)
                 if len(relaid) != k:
                     _select().relaid_parents(t.parents, layout)   # raises, naming the node
-                nodes, parents = layout.tolist(), relaid.tolist()
+                parents = relaid.tolist()
             else:
-                nodes = t.path[:k]
+                layout = t.path[:k]
                 parents = list(range(-1, k - 1))
-                layout, tree = np.asarray(nodes, np.int64), False
-            self._layouts[t.index] = (nodes, parents)
-            self._kept_nodes[ctx.requests[t.index].req_id] = k
+                tree = False
+            # The sent tokens, as Python ints.
+            self._layouts[t.index] = (t.tokens[layout].tolist(), parents, layout)
             r = ctx.requests[t.index]
+            self._kept_nodes[r.req_id] = k
             self._sent[r.req_id] = SentTree(
                 t.tokens, t.parents, t.depth, t.conf, t.q_raw, layout, tree, len(r.context))
             self.tree_rows += 1
             self.tree_nodes_offered += len(t.tokens)
             self.tree_nodes_kept += k
             kept_any = kept_any or k > 0
+            conf_seen[rows[t.index]] = True
         if kept_any:
             self.shape_steps[step.mode] += 1
-        # Confidences come with the drafts: no length bound from history.
-        self.slots.arrays["conf_seen"][rows[[t.index for t in step.rows]]] = True
 
     def stats(self) -> dict:
         out = super().stats()

@@ -102,6 +102,29 @@ def price_tree(parents, conf, row, last_position, gs, gn, gps, gpn, cal_s, cal_e
 
 
 @cached_njit
+def price_tree_into(parents, conf, row, last_position, gs, gn, gps, gpn, cal_s, cal_e,
+                    conf_strength, eps, calibrate, edges, s, e, strength, lo, hi, i, q,
+                    valid, q_chain, valid_chain, lengths_chain):
+    """``price_tree`` of the tree of batch row ``i``, its two shapes'
+    candidates written straight into that row of the step's matrices (the
+    ranked nodes' q into ``q``/``valid``, the best path's into
+    ``q_chain``/``valid_chain``/``lengths_chain``). Returns (depth, q_raw,
+    ranked, path): boxing the other three arrays and copying them into the
+    matrices cost more than the pricing."""
+    depth, q_raw, _, ranked, path, q_ranked, q_path = price_tree(
+        parents, conf, row, last_position, gs, gn, gps, gpn, cal_s, cal_e, conf_strength,
+        eps, calibrate, edges, s, e, strength, lo, hi)
+    for j in range(len(q_ranked)):
+        q[i, j] = q_ranked[j]
+        valid[i, j] = True
+    for j in range(len(q_path)):
+        q_chain[i, j] = q_path[j]
+        valid_chain[i, j] = True
+    lengths_chain[i] = len(q_path)
+    return depth, q_raw, ranked, path
+
+
+@cached_njit
 def lay_out(parents, nodes):
     """(``select.relaid_parents(parents, nodes)``, whether that is not a
     chain) of nodes closed under ancestors in their order; the relaid list
@@ -259,6 +282,11 @@ def warm_up() -> None:
         depth, q_raw, _, ranked, _, _, _ = price_tree(
             parents, np.full(3, 0.5), 0, 1, *tables, calibrate, edges, np.zeros(2),
             np.zeros(2), 2.0, 1e-3, 1.0 - 1e-3)
+    q = np.zeros((1, 3))
+    valid = np.zeros((1, 3), np.bool_)
+    price_tree_into(parents, np.full(3, 0.5), 0, 1, *tables, False, edges, np.zeros(2),
+                    np.zeros(2), 2.0, 1e-3, 1.0 - 1e-3, 0, q, valid, q.copy(), valid.copy(),
+                    np.zeros(1, np.int64))
     lay_out(parents, ranked)
     read_tree(tokens, parents, depth, np.full(3, 0.5), q_raw, ranked, 3,
               np.array([5, 7, 1], np.int64))
