@@ -131,13 +131,6 @@ def _add_declared(out: Totals, reported: Snapshot) -> None:
                 out[key] = out.get(key, 0) + int(value)
 
 
-def nested(flat: Totals) -> Snapshot:
-    out: Snapshot = {}
-    for (name, label), value in flat.items():
-        out.setdefault(name, {})[label] = value
-    return out
-
-
 def counted_processors(runner: Any) -> tuple[Counted, ...]:
     """The runner's logits processors that keep counters: V1's in its input
     batch (``InputBatch.logitsprocs``), V2's in its sampler
@@ -161,10 +154,20 @@ def any_counted(processors: Iterable[Counted]) -> bool:
                for v in values.values())
 
 
-def growth(now: Totals, before: Totals) -> Totals:
-    """What grew from ``before`` to ``now`` (counters never shrink)."""
-    return {key: value - before.get(key, 0) for key, value in now.items()
-            if value > before.get(key, 0)}
+def growth(now: Totals, before: Totals) -> Snapshot:
+    """What grew from ``before`` to ``now`` (counters never shrink), nested
+    as the step's output carries it: one pass, after every step."""
+    grown: Snapshot = {}
+    for key, value in now.items():
+        more = value - before.get(key, 0)
+        if more > 0:
+            name, label = key
+            values = grown.get(name)
+            if values is None:
+                grown[name] = {label: more}
+            else:
+                values[label] = more
+    return grown
 
 
 def add(total: Snapshot, more: Snapshot) -> Snapshot:
@@ -185,10 +188,18 @@ def report(state: Any, output: Any, processors: Iterable[Counted] = ()) -> None:
     grown = growth(now, state.counters_reported)
     if not grown:
         return
+    _attach_to_output()(output, {OUTPUT_ATTR: grown})
+    state.counters_reported = now
+
+
+@functools.cache
+def _attach_to_output():
+    """``grammar_hold.attach_to_output``, imported at the first report
+    (grammar_hold imports this module) and kept: an import statement runs
+    again at every call."""
     from vllm_plugins.bridge.grammar_hold import attach_to_output
 
-    attach_to_output(output, {OUTPUT_ATTR: nested(grown)})
-    state.counters_reported = now
+    return attach_to_output
 
 
 @functools.cache
