@@ -91,3 +91,19 @@ def test_both_shapes_in_one_call_equals_two_allocations(seed):
                                                tree_s, shape_s, warm, sizes is not None)
     assert keep.tolist() == want[0].tolist() and (goodput, tokens) == want[1:3]
     assert (TREE if tree else CHAIN) == want[3]
+
+
+def test_a_new_tree_controller_has_its_tree_loops_compiled(monkeypatch):
+    """``make_controller``'s warm-up reaches the tree path's loops too: no
+    compilation in the steps of a world of trees and chains."""
+    import numba.core.dispatcher as dispatcher
+
+    from tests.draft_length_tree_world import Cost, TreeWorld, run
+
+    c = tree_controller(16)
+    compiled = []
+    real = dispatcher.Dispatcher.compile
+    monkeypatch.setattr(dispatcher.Dispatcher, "compile",
+                        lambda self, sig: compiled.append(self.py_func.__name__) or real(self, sig))
+    run(c, TreeWorld(3, Cost(0.02, 0.0005, 0.002), nodes=12, tree_rows=2), 80)
+    assert compiled == []

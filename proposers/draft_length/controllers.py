@@ -238,6 +238,7 @@ class EstimatingController(DraftLengthController):
                        if options.get("calibrate_prefix") else None)
         self._probe_scale = 1     # goodput stretches probing where drafts are dear
         self._state_capacity = -1   # _kernel_state
+        self._info = np.empty((8, 3), np.int64)   # _learn's per-row buffer
         # Row k: the first k of max_draft drafts (``valid`` for a row of k).
         self._prefixes = np.arange(max_draft)[None, :] < np.arange(max_draft + 1)[:, None]
 
@@ -254,19 +255,27 @@ class EstimatingController(DraftLengthController):
         if not reqs:
             return observation
         rows = observation.rows = self.slots.slots([r.req_id for r in reqs])
-        # Per row: tokens emitted, drafts verified, the last token emitted.
-        info = np.array([(len(r.accepted), r.num_draft,
-                          r.accepted[-1] if len(r.accepted) else -1) for r in reqs],
-                        np.int64)
+        # Per row: tokens emitted, drafts verified, the last token emitted
+        # (written into a kept buffer: over a few rows, building an array
+        # from tuples cost more than the learning).
+        batch = len(reqs)
+        if len(self._info) < batch:
+            self._info = np.empty((2 * batch, 3), np.int64)
+        info = self._info[:batch]
+        for i, r in enumerate(reqs):
+            emitted = r.accepted
+            n = len(emitted)
+            info[i, 0] = n
+            info[i, 1] = r.num_draft
+            info[i, 2] = emitted[-1] if n else -1
         # Rows whose drafts were trees teach the per-position estimates
         # nothing; the policy reads them node by node (``extra``: their
-        # node outcomes for the confidence calibration).
+        # node outcomes for the confidence calibration, typed as
+        # ``_EXTRA_TYPES``).
         trees, extra = self._learn_trees(ctx, rows)
         slot, est, prefix, cal, _, _ = self._kernel_state()
-        outcomes = np.empty((4, len(reqs)), np.int64)
-        foreseen = np.empty(len(reqs)) if self.counting_free else _NO_VALUES
-        if extra is not None:
-            extra = tuple(np.asarray(x, t) for x, t in zip(extra, _EXTRA_TYPES))
+        outcomes = np.empty((4, batch), np.int64)
+        foreseen = np.empty(batch) if self.counting_free else _NO_VALUES
         peeks, changes = learn_step(
             rows, info, _NO_FLAGS if trees is None else trees, self.observe_cut,
             self.counting_free, outcomes, foreseen, slot, est, prefix, cal,
@@ -282,7 +291,8 @@ class EstimatingController(DraftLengthController):
     def _learn_trees(self, ctx: StepContext, rows: np.ndarray):
         """(bool per row: its last drafts were a tree the policy reads node
         by node, or None; those nodes' outcomes for the confidence
-        calibration, or None). Chain policies read no trees."""
+        calibration as arrays of ``_EXTRA_TYPES``, or None). Chain policies
+        read no trees."""
         return None, None
 
     def _bound(self, ctx: StepContext, observation: Observation) -> None:
@@ -292,13 +302,13 @@ class EstimatingController(DraftLengthController):
         rows = observation.rows
         if rows is None:
             return
-        a = self.slots.arrays
+        _, est, _, _, (zero_streak, probe_level, _, _), cal = self._kernel_state()
         # Confidences only arrive with the drafts: no bound for rows given them.
         observation.probs, bound = bound_step(
-            rows, self._kernel_state()[1], float(self._length_threshold(observation)),
-            a["zero_streak"], a["probe_level"], self._probe_gap(), self._MAX_BACKOFF,
-            _NO_FLAGS if self.calibrator is None else a["conf_seen"], self.max_draft)
-        observation.bounds = dict(zip((r.req_id for r in ctx.requests), bound.tolist()))
+            rows, est, float(self._length_threshold(observation)), zero_streak, probe_level,
+            self._probe_gap(), self._MAX_BACKOFF, _NO_FLAGS if cal is None else cal[1],
+            self.max_draft)
+        observation.bounds = dict(zip([r.req_id for r in ctx.requests], bound.tolist()))
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
         p = clip(np.asarray(foreseen, np.float64), 0.0, 1.0)

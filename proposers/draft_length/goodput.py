@@ -173,6 +173,9 @@ class GoodputController(EstimatingController):
         self.step_k_hist = np.zeros(self.max_draft + 1, dtype=np.int64)
         self.step_k_probes = 0
         self._zero_step_k_run = 0
+        # _idle_goodput per batch size, for the cost model's current line.
+        self._idle_cache: dict[int, float] = {}
+        self._idle_line = (-1, 0.0)
 
     @property
     def rests_next_step(self) -> bool:
@@ -185,18 +188,19 @@ class GoodputController(EstimatingController):
     def observe(self, ctx: StepContext) -> Observation:
         idle = self._idle_goodput(len(ctx.requests)) if self.cost.warm else float("nan")
         step_k = ctx.max_draft if ctx.steers_step_k else None
-        if self.rest.start_step(ctx, self.steps, idle):
-            observation = self._observe_resting(ctx)
+        tokens = step_tokens(ctx)   # read by the rest's record and the cost model
+        if self.rest.start_step(ctx, self.steps, idle, tokens):
+            observation = self._observe_resting(ctx, tokens)
             observation.step_k = step_k
             return observation
         observation = self._learn(ctx)
         observation.step_k = step_k
-        self._observe_cost(ctx)
+        self._observe_cost(ctx, tokens)
         observation.explore_cap = self._explore_cap(observation.batch)
         self._bound(ctx, observation)
         return observation
 
-    def _observe_resting(self, ctx: StepContext) -> Observation:
+    def _observe_resting(self, ctx: StepContext, tokens: tuple[int, int]) -> Observation:
         """A resting step: no draft was verified (the step before kept
         none), but the first draft that decision cut (a tree: the root's
         children) is observed for free (``step_outcomes``). Learning it is
@@ -214,7 +218,7 @@ class GoodputController(EstimatingController):
         _, hits, foreseen, var = self.free_outcomes
         if hits > foreseen + 2.0 * math.sqrt(var):
             self.rest.wake()
-        self._observe_cost(ctx)
+        self._observe_cost(ctx, tokens)
         if rows is not None:
             a = self.slots.arrays
             a["cut_token"][rows] = -1
@@ -229,8 +233,9 @@ class GoodputController(EstimatingController):
             self.hist[0] += live
         return Observation(batch=max(1, len(ctx.requests)), resting=True)
 
-    def _observe_cost(self, ctx: StepContext) -> None:
-        tokens, decode = step_tokens(ctx)
+    def _observe_cost(self, ctx: StepContext, tokens: tuple[int, int]) -> None:
+        """The step's time into the cost model; ``tokens``: ``step_tokens``."""
+        tokens, decode = tokens
         if ctx.last_gap_seconds is not None:   # reported, not modelled
             gap = engine_gap(ctx)
             self.gap_s = gap if self.gap_s is None else 0.95 * self.gap_s + 0.05 * gap
@@ -282,9 +287,19 @@ class GoodputController(EstimatingController):
 
     def _idle_goodput(self, batch: int) -> float:
         """The model's tokens per second of a step of ``batch`` requests
-        that keeps no draft: B / t(B)."""
-        a, b = self.cost.line(batch)
-        return batch / max(a + b * batch, 1e-12)
+        that keeps no draft: B / t(B). Asked a few times a step, and the
+        line changes only with a refit (or, with the context feature, with
+        the step's context): kept per batch size until then."""
+        cost = self.cost
+        line = (cost.current_fit(), cost.context_now)
+        if line != self._idle_line:
+            self._idle_line = line
+            self._idle_cache.clear()
+        rate = self._idle_cache.get(batch)
+        if rate is None:
+            a, b = cost.line(batch)
+            rate = self._idle_cache[batch] = batch / max(a + b * batch, 1e-12)
+        return rate
 
     def _length_threshold(self, observation: Observation) -> float:
         # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):

@@ -210,9 +210,11 @@ class Rest:
         self.left = 0
         self.length = self._REST_MIN
 
-    def start_step(self, ctx: StepContext, step: int, idle: float = float("nan")) -> bool:
+    def start_step(self, ctx: StepContext, step: int, idle: float = float("nan"),
+                   tokens: tuple[int, int] | None = None) -> bool:
         """Whether this step rests; measures the step before it (a resting
-        one against ``idle``, the model's idle rate for its batch)."""
+        one against ``idle``, the model's idle rate for its batch).
+        ``tokens``: the step's ``step_tokens``, where the caller has them."""
         self._close_record(ctx)
         was_resting, self.resting = self.resting, False
         if self.left > 0:
@@ -222,14 +224,14 @@ class Rest:
                     and 2 * joined < len(ctx.requests)):
                 self.resting = True
                 self.steps += 1
-                self._record = _mode_record(ctx, True, idle)
+                self._record = _mode_record(ctx, True, idle, tokens)
                 self.promised = float("nan")
                 return True
             self.wake()   # the batch it rested on is gone
         if was_resting:
             self.awake_since = step
         # This step verified what the previous decision kept: its prediction.
-        self._record = _mode_record(ctx, False, self.promised)
+        self._record = _mode_record(ctx, False, self.promised, tokens)
         self.promised = float("nan")
         return False
 
@@ -286,13 +288,14 @@ class Rest:
             self.batch_ids = frozenset(r.req_id for r in ctx.requests)
 
 
-def _mode_record(ctx: StepContext, resting: bool, predicted: float) -> tuple | None:
+def _mode_record(ctx: StepContext, resting: bool, predicted: float,
+                 tokens: tuple[int, int] | None = None) -> tuple | None:
     """What ``ModeRates`` learns from this step once its proposer time is
     known; None for a step that ran prompt tokens. A prefill costs what its
     prompt costs, in either mode, and emits next to nothing: in flight,
     where requests join all the time, such steps would make the awake rate
     read as a fraction of the resting one."""
-    tokens, decode = step_tokens(ctx)
+    tokens, decode = step_tokens(ctx) if tokens is None else tokens
     if tokens > decode:
         return None
     emitted = float(sum(len(r.accepted) for r in ctx.requests))

@@ -58,7 +58,12 @@ class RequestSlots:
                 if out[i] is None:
                     out[i] = self._allocate(rid)
         rows = np.array(out, dtype=np.int64)
-        self.arrays["_seen"][rows] = self._tick
+        seen = self.arrays["_seen"]
+        if len(out) <= 16:   # a few rows: cheaper one by one than by fancy index
+            for row in out:
+                seen[row] = self._tick
+        else:
+            seen[rows] = self._tick
         return rows
 
     def release(self, req_id: str) -> None:

@@ -101,6 +101,9 @@ class StepCostModel:
         self.num_observed = 0
         self._dirty = False
         self._coef = (1.0, prior_token_cost, 0.0, 0.0)
+        # Counts the refits that set the line: what ``line`` answers changes
+        # only with it (and with ``context_now``), so callers may cache on it.
+        self.fit_id = 0
         self.verify_step_s = 0.0       # extra fixed cost of a verifying step
         self.new_shape_s = 0.0         # extra cost of a step with a new token count
         self.tree_step_s = 0.0         # extra cost of a step that verifies a tree
@@ -154,6 +157,12 @@ class StepCostModel:
             return False
         return self._trees < self._MIN_MODE_STEPS
 
+    def current_fit(self) -> int:
+        """``fit_id`` after any refit that is due (``line`` would run it)."""
+        if self._dirty:
+            self._refit()
+        return self.fit_id
+
     def line(self, batch: int) -> tuple[float, float]:
         """(intercept, slope) of t(tokens) for a step of ``batch`` requests
         over ``context_now`` committed tokens that verifies no draft; one
@@ -202,6 +211,7 @@ class StepCostModel:
         self._outliers, self._rmse, self.slope_se = int(dropped), float(rmse), float(slope_se)
         a, b, c, d, verify, shape, tree = got.tolist()
         self._coef = (a, b, c, d)
+        self.fit_id += 1
         fitted = set(codes.tolist())
         if VERIFY in fitted:
             self.verify_step_s = verify

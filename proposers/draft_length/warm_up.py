@@ -63,3 +63,10 @@ def warm_up(controller: DraftLengthController) -> None:
         from vllm_plugins.proposers.draft_length import tree_kernels
 
         tree_kernels.warm_up()   # its per-tree loops, which synthetic chains never reach
+        # ... and its allocation over both shapes (``TreeGoodputController._allocate``).
+        from vllm_plugins.proposers.draft_length.tree_goodput import tree_allocation
+
+        q, valid = np.full((1, 2), 0.5), np.ones((1, 2), np.bool_)
+        tree_allocation(q, valid, q, valid, 1.0, 0.1, 0.0, 0.0, 0.0, np.zeros(1, np.int64))
+        if twin.path_calibration is not None:   # the twin's: nothing of it is kept
+            twin.path_calibration.learn(np.full(2, 0.5), np.ones(2))
