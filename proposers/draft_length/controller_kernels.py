@@ -7,6 +7,11 @@ its decisions. As numpy these were some fifty array calls a step over a
 handful of rows, where dispatch (twice as dear with the caches cold after
 a forward) outweighed the arithmetic. These loops do the same over the
 slot arrays in place; ``EstimatingController`` says what the numbers mean.
+
+The per-step entry points (``learn_step``, ``bound_step``, ``settle_step``)
+take their state as flat arguments, not tuples: numba types a tuple
+argument element by element on every call, about twice as slowly as the
+same values passed one by one, and these run every step.
 """
 
 from __future__ import annotations
@@ -155,22 +160,25 @@ def count_decisions(lengths, keep, bound, hist):
 
 
 @cached_njit
-def learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, slot, est,
-               prefix, cal, extra):
+def learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec, ex,
+               cut_token, cut_at, probing, probe_level,
+               acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior, decay,
+               ewma, threshold, strength, eps,
+               q_used, edges, ps, pe, pdecay,
+               conf_kept, gs, gn, cps, cpn, cal_s, cal_e, cstrength, cgdecay, cdecay):
     """A step's learning in one call: ``step_outcomes`` into ``outcomes``
-    (n, m, peek_at, hit), then the prefix calibration (``prefix``, None:
-    off), the estimator (``est``), the confidence calibration (``cal``,
-    None: off; ``extra``: outcomes read elsewhere, as ``learn_outcomes``
-    takes them). With ``foresee``, ``foreseen`` gets each observed cut
-    draft's acceptance as the estimate gave it before this step. The
-    tuples are ``EstimatingController._kernel_state``'s. Returns (cut
-    drafts observed, rows the change detector reset)."""
-    cut_token, cut_at, probing, probe_level = slot
+    (n, m, peek_at, hit), then the prefix calibration (``q_used``..``pdecay``,
+    ``q_used`` None: off), the estimator (``acc_s``..``eps``), the
+    confidence calibration (``conf_kept``..``cdecay``, ``conf_kept`` None:
+    off; ``er``, ``ej``, ``ec``, ``ex``: outcomes read elsewhere, as
+    ``learn_outcomes`` takes them). With ``foresee``, ``foreseen`` gets each
+    observed cut draft's acceptance as the estimate gave it before this
+    step. The state is ``EstimatingController._kernel_state``'s tuples,
+    flattened (``_learn_args``). Returns (cut drafts observed, rows the
+    change detector reset)."""
     n, m, peek_at, hit = outcomes[0], outcomes[1], outcomes[2], outcomes[3]
     peeks = step_outcomes(rows, info, trees, cut_token, cut_at, observe_cut, probing,
                           probe_level, n, m, peek_at, hit)
-    (acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior, decay, ewma,
-     threshold, strength, eps) = est
     if foresee and peeks:
         rate = (glob[0] + prior) / (glob[1] + 1.0)
         for i in range(len(rows)):
@@ -178,25 +186,22 @@ def learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, slot
                 p = probs_rows(rows[i:i + 1], acc_s, acc_n, win_n, win_m, ewma, rate, gps, gpn,
                                strength, eps)
                 foreseen[i] = p[0, min(max(peek_at[i], 0), depth - 1)]
-    if prefix is not None:
-        q_used, edges, ps, pe, pdecay = prefix
+    if q_used is not None:
         learn_prefix(rows, n, m, q_used, edges, ps, pe, pdecay)
     changes = learn_rows(rows, n, m, depth, acc_s, acc_n, win_n, win_m, win_pos, glob, gps,
                          gpn, gdecay, prior, decay, ewma, threshold)
-    if cal is not None:
-        conf_kept, gs, gn, cps, cpn, cal_s, cal_e, cstrength, cgdecay, cdecay = cal
-        er, ej, ec, ex = extra
+    if conf_kept is not None:
         learn_kept(rows, n, m, conf_kept, er, ej, ec, ex, gs, gn, cps, cpn, cal_s, cal_e,
                    cstrength, cgdecay, cdecay)
     return peeks, changes
 
 
 @cached_njit
-def bound_step(rows, est, threshold, zero_streak, probe_level, gap, max_backoff, conf_seen,
-               max_draft):
-    """(each row's acceptance estimates, its ``length_bounds``) in one call."""
-    (acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior, decay, ewma,
-     change_threshold, strength, eps) = est
+def bound_step(rows, threshold, gap, max_backoff, max_draft, zero_streak, probe_level,
+               conf_seen, acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay,
+               prior, decay, ewma, change_threshold, strength, eps):
+    """(each row's acceptance estimates, its ``length_bounds``) in one call
+    (the state flattened: ``EstimatingController._bound_args``)."""
     rate = (glob[0] + prior) / (glob[1] + 1.0)
     probs = probs_rows(rows, acc_s, acc_n, win_n, win_m, ewma, rate, gps, gpn, strength, eps)
     return probs, length_bounds(rows, probs, threshold, zero_streak, probe_level, gap,
@@ -204,21 +209,21 @@ def bound_step(rows, est, threshold, zero_streak, probe_level, gap, max_backoff,
 
 
 @cached_njit
-def settle_step(rows, lengths, keep, bound, observe_cut, stochastic, gap, max_backoff, slot,
-                out, q_used, q_raw, cal, conf):
+def settle_step(rows, lengths, keep, bound, observe_cut, stochastic, gap, max_backoff, out,
+                q_used, q_raw, conf, zero_streak, probe_level, probing, cut_at, conf_kept,
+                conf_seen):
     """``settle`` into ``out`` (kept, upto, cut rows), then what the next
     step's outcomes are matched with: the prefix probabilities ``q_raw``
     up to ``upto`` into ``q_used`` (None: not kept), the kept confidences
-    (``cal``: the confidence calibration's slot arrays, None: off; ``conf``
-    empty: none given, stored as NaN). Returns (probes, cut drafts)."""
-    zero_streak, probe_level, probing, cut_at = slot
+    (``conf_kept``/``conf_seen``: the confidence calibration's slot arrays,
+    None: off; ``conf`` empty: none given, stored as NaN). Returns (probes,
+    cut drafts)."""
     kept, upto, cut_rows = out[0], out[1], out[2]
     probes, cuts = settle(rows, lengths, keep, bound, observe_cut, stochastic, zero_streak,
                           probe_level, probing, gap, max_backoff, cut_at, kept, upto, cut_rows)
     if q_used is not None:
         remember_prefix(rows, q_raw, upto, q_used)
-    if cal is not None:
-        conf_kept, conf_seen = cal
+    if conf_kept is not None:
         if conf.shape[0] > 0:
             remember_kept(rows, conf, upto, conf_kept, conf_seen)
         else:

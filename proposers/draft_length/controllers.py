@@ -273,13 +273,13 @@ class EstimatingController(DraftLengthController):
         # node outcomes for the confidence calibration, typed as
         # ``_EXTRA_TYPES``).
         trees, extra = self._learn_trees(ctx, rows)
-        slot, est, prefix, cal, _, _ = self._kernel_state()
+        self._kernel_state()
         outcomes = np.empty((4, batch), np.int64)
         foreseen = np.empty(batch) if self.counting_free else _NO_VALUES
         peeks, changes = learn_step(
             rows, info, _NO_FLAGS if trees is None else trees, self.observe_cut,
-            self.counting_free, outcomes, foreseen, slot, est, prefix, cal,
-            _NO_EXTRA if extra is None else extra)
+            self.counting_free, outcomes, foreseen, *(_NO_EXTRA if extra is None else extra),
+            *self._learn_args)
         self.estimator.changes += changes
         if peeks:
             self.cut_observed += peeks
@@ -302,12 +302,10 @@ class EstimatingController(DraftLengthController):
         rows = observation.rows
         if rows is None:
             return
-        _, est, _, _, (zero_streak, probe_level, _, _), cal = self._kernel_state()
-        # Confidences only arrive with the drafts: no bound for rows given them.
+        self._kernel_state()
         observation.probs, bound = bound_step(
-            rows, est, float(self._length_threshold(observation)), zero_streak, probe_level,
-            self._probe_gap(), self._MAX_BACKOFF, _NO_FLAGS if cal is None else cal[1],
-            self.max_draft)
+            rows, float(self._length_threshold(observation)), self._probe_gap(),
+            self._MAX_BACKOFF, self.max_draft, *self._bound_args)
         observation.bounds = dict(zip([r.req_id for r in ctx.requests], bound.tolist()))
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
@@ -362,15 +360,16 @@ class EstimatingController(DraftLengthController):
         and is not probed; nor is one ``max_length`` gave 0 (``bound``),
         which counts as a zero choice.
         """
-        _, _, _, _, slot, cal = self._kernel_state()
+        self._kernel_state()
         out = np.empty((3, len(lengths)), np.int64)
         remember = self.prefix is not None and q_raw is not None
         probes, cuts = settle_step(
             rows, lengths, np.asarray(keep, np.int64), bound,
             self.observe_cut and q_raw is not None, self._stochastic_rows(drafts, len(lengths)),
-            self._probe_gap(), self._MAX_BACKOFF, slot, out,
+            self._probe_gap(), self._MAX_BACKOFF, out,
             self.slots.arrays["q_used"] if remember else None,
-            q_raw if remember else _NO_MATRIX, cal, _NO_MATRIX if conf is None else conf)
+            q_raw if remember else _NO_MATRIX, _NO_MATRIX if conf is None else conf,
+            *self._settle_args)
         self.probes += probes
         kept = out[0]
         if cuts:
@@ -385,17 +384,25 @@ class EstimatingController(DraftLengthController):
         (cut draft and probe slots, estimator, prefix calibration,
         confidence calibration) and for settling (probe and cut slots, kept
         confidences). Rebuilt when the slots grow, which replaces their
-        arrays."""
+        arrays; with it the same flattened as the compiled steps take them
+        (``_learn_args``, ``_bound_args``, ``_settle_args``: None for a
+        calibration that is off)."""
         if self._state_capacity != self.slots.capacity:
             a = self.slots.arrays
             cal = self.calibrator
-            self._state = (
+            self._state = state = (
                 (a["cut_token"], a["cut_at"], a["probing"], a["probe_level"]),
                 self.estimator.kernel_state(),
                 None if self.prefix is None else self.prefix.kernel_state(),
                 None if cal is None else cal.kernel_state(),
                 (a["zero_streak"], a["probe_level"], a["probing"], a["cut_at"]),
                 None if cal is None else (a["conf_kept"], a["conf_seen"]))
+            slot, est, prefix, learn_cal, settle_slot, settle_cal = state
+            self._learn_args = (*slot, *est, *(prefix or (None,) * 5),
+                                *(learn_cal or (None,) * 10))
+            self._bound_args = (a["zero_streak"], a["probe_level"],
+                                _NO_FLAGS if cal is None else a["conf_seen"], *est)
+            self._settle_args = (*settle_slot, *(settle_cal or (None, None)))
             self._state_capacity = self.slots.capacity
         return self._state
 
