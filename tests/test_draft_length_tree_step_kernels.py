@@ -1,7 +1,8 @@
-"""The tree goodput policy's per-step compiled shortcuts against the code
+"""The goodput policies' per-step compiled shortcuts against the code
 they replace, over random inputs: ``price_tree_into`` against
 ``price_tree`` and the copies into the step's matrices, ``_both_shapes``
-against two ``goodput_allocation`` calls (proposers/draft_length/tree_goodput.py)."""
+against two ``goodput_allocation`` calls (proposers/draft_length/tree_goodput.py),
+``rest._corrected`` against ``ModeRates``' own reads."""
 
 from __future__ import annotations
 
@@ -107,3 +108,20 @@ def test_a_new_tree_controller_has_its_tree_loops_compiled(monkeypatch):
                         lambda self, sig: compiled.append(self.py_func.__name__) or real(self, sig))
     run(c, TreeWorld(3, Cost(0.02, 0.0005, 0.002), nodes=12, tree_rows=2), 80)
     assert compiled == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_rest_comparison_reads_the_rates_as_mode_rates_gives_them(seed):
+    """rest._corrected against ModeRates.rates and ModeRates.bias."""
+    from vllm_plugins.proposers.draft_length.rest import ModeRates, _corrected
+
+    rng = np.random.default_rng(seed)
+    modes = ModeRates()
+    modes._tables[:] = rng.uniform(0, 5, modes._tables.shape)
+    modes._tables[3] *= rng.uniform(0, 1, modes._tables[3].shape) < 0.7   # unpromised cells
+    for batch in (1, 2, 7, 64, 300):
+        goodput, idle = float(rng.uniform(1, 100)), float(rng.uniform(1, 100))
+        _, _, n_rest, n_awake = modes.rates(batch)
+        want = (n_rest, n_awake, modes.bias(batch) * goodput,
+                modes.bias(batch, resting=True) * idle)
+        assert _corrected(modes._tables, modes.cell(batch), goodput, idle) == want

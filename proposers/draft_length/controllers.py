@@ -129,8 +129,8 @@ class DraftLengthController:
                         ) -> tuple[list[int], bool]:
         """(kept lengths, whether any request was offered a draft or bounded
         to none by ``max_length``)."""
-        lengths = np.fromiter((min(len(t), self.max_draft) for t in drafts.tokens),
-                              dtype=np.int64, count=len(drafts.tokens))
+        max_draft = self.max_draft
+        lengths = np.array([min(len(t), max_draft) for t in drafts.tokens], np.int64)
         if len(lengths) == 0:
             return [], False
         # Requests with no draft because max_length() said 0: the controller's

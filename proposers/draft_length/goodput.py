@@ -173,8 +173,10 @@ class GoodputController(EstimatingController):
         self.step_k_hist = np.zeros(self.max_draft + 1, dtype=np.int64)
         self.step_k_probes = 0
         self._zero_step_k_run = 0
-        # _idle_goodput per batch size, for the cost model's current line.
+        # _idle_goodput and _length_threshold per batch size, for the cost
+        # model's current line (_line_cached).
         self._idle_cache: dict[int, float] = {}
+        self._threshold_cache: dict[int, float] = {}
         self._idle_line = (-1, 0.0)
 
     @property
@@ -290,22 +292,33 @@ class GoodputController(EstimatingController):
         that keeps no draft: B / t(B). Asked a few times a step, and the
         line changes only with a refit (or, with the context feature, with
         the step's context): kept per batch size until then."""
+        self._line_cached()
+        rate = self._idle_cache.get(batch)
+        if rate is None:
+            a, b = self.cost.line(batch)
+            rate = self._idle_cache[batch] = batch / max(a + b * batch, 1e-12)
+        return rate
+
+    def _line_cached(self) -> None:
+        """Empties the values kept per batch size where the cost model's
+        line has changed since they were computed."""
         cost = self.cost
         line = (cost.current_fit(), cost.context_now)
         if line != self._idle_line:
             self._idle_line = line
             self._idle_cache.clear()
-        rate = self._idle_cache.get(batch)
-        if rate is None:
-            a, b = cost.line(batch)
-            rate = self._idle_cache[batch] = batch / max(a + b * batch, 1e-12)
-        return rate
+            self._threshold_cache.clear()
 
     def _length_threshold(self, observation: Observation) -> float:
         # Token j is only added while q_j > b * G, and G >= G(0) = B / t(B):
         # a bound from history at (half) this step's batch size.
         batch = max(1, observation.batch // 2)
-        return self.cost.line(batch)[1] * self._idle_goodput(batch)
+        self._line_cached()
+        threshold = self._threshold_cache.get(batch)
+        if threshold is None:
+            threshold = self._threshold_cache[batch] = \
+                self.cost.line(batch)[1] * self._idle_goodput(batch)
+        return threshold
 
     # ---------------------------------------------------- drafting, decide
     def max_length(self, req_id: str, observation: Observation) -> int:

@@ -131,6 +131,18 @@ def _observe(tables, m, c, d, tokens, seconds, predicted_rate, own_seconds):
     tables[2, m, c] = d * tables[2, m, c] + 1.0
 
 
+@cached_njit
+def _corrected(tables, c, goodput, idle):
+    """``Rest.beats_drafting``'s reads of ``ModeRates`` cell ``c``: (resting
+    weight, awake weight, awake bias * ``goodput``, resting bias * ``idle``),
+    the biases as ``ModeRates.bias`` gives them."""
+    promised = tables[3, 1, c]
+    awake = tables[4, 1, c] / promised if promised > 0 else 1.0
+    promised = tables[3, 0, c]
+    resting = tables[4, 0, c] / promised if promised > 0 else 1.0
+    return tables[2, 0, c], tables[2, 1, c], awake * goodput, resting * idle
+
+
 def step_tokens(ctx: StepContext) -> tuple[int, int]:
     """(tokens the step ran, tokens its decoding rows account for: one per
     request plus its verified drafts). More run than accounted for means
@@ -258,9 +270,10 @@ class Rest:
         counts at once, and a change in the host's load moves both alike.
         Unmeasured rest is tried once where the corrected prediction gains
         less than 2% over the model's idle step."""
-        _, _, n_rest, n_awake = self.modes.rates(batch)
-        drafting = self.modes.bias(batch) * goodput    # the prediction, corrected
-        rest = self.modes.bias(batch, resting=True) * idle
+        # The prediction and the idle rate, corrected (``ModeRates.bias``),
+        # and each mode's weight (``ModeRates.rates``), in one compiled read.
+        n_rest, n_awake, drafting, rest = _corrected(
+            self.modes._tables, self.modes.cell(batch), float(goodput), float(idle))
         if n_rest >= self._MODE_EVIDENCE and n_awake >= self._MODE_EVIDENCE:
             return drafting < (1.0 - self._REST_MARGIN) * rest
         if (n_rest < self._PROBE_EVIDENCE and drafting < self._REST_PROBE_GAIN * idle

@@ -22,7 +22,7 @@ need no probes, and the calibration sees the nodes the rule cut.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -126,7 +126,6 @@ class TreeStep:
     valid_chain: np.ndarray
     lengths_chain: np.ndarray
     mode: str = TREE
-    layouts: dict = field(default_factory=dict)
 
 
 class TreeGoodputController(GoodputController):
@@ -184,13 +183,17 @@ class TreeGoodputController(GoodputController):
         if not self._sent:
             return None, None
         reqs = ctx.requests
-        trees = np.zeros(len(reqs), dtype=bool)
-        r_rows, r_counts, j_idx, conf, outcome, q_used, q_outcome = [], [], [], [], [], [], []
+        trees = None
+        # Per tree read: (batch row, its observed nodes' depth - 1, their
+        # confidences, their outcomes, path probabilities, path outcomes).
+        read = []
         roots, roots_q = [], []   # per tree: a root child accepted, and its foreseen q
         for i, r in enumerate(reqs):
             sent = self._sent.pop(r.req_id, None)
             if sent is None:
                 continue
+            if trees is None:
+                trees = np.zeros(len(reqs), dtype=bool)
             trees[i] = True
             emitted = np.asarray(r.accepted, np.int64)
             if len(emitted) == 0 or len(r.context) - len(emitted) != sent.context_len:
@@ -208,29 +211,24 @@ class TreeGoodputController(GoodputController):
             if self.counting_free:
                 roots.append(root_hit)
                 roots_q.append(min(1.0, float(sent.q_raw[sent.depth == 1].sum())))
-            r_rows.append(i)
-            r_counts.append(len(idx))
-            j_idx.append(depth_j)
-            conf.append(conf_i)
-            outcome.append(outcome_i)
+            read.append((i, depth_j, conf_i, outcome_i, q_i, x_i))
             self.tree_nodes_observed += len(idx)
-            q_used.append(q_i)
-            q_outcome.append(x_i)
         if roots:
             self._free_outcome(np.array(roots), np.array(roots_q))
-        if not trees.any():
+        if trees is None:
             return None, None
-        if len(r_rows) == 1:   # the common case: one tree read
-            if self.path_calibration is not None:
-                self.path_calibration.learn(q_used[0], q_outcome[0])
-            return trees, (np.full(r_counts[0], r_rows[0], np.int64), j_idx[0], conf[0],
-                           outcome[0])
-        if self.path_calibration is not None and q_used:
-            self.path_calibration.learn(np.concatenate(q_used), np.concatenate(q_outcome))
-        if not r_rows:
+        cal = self.path_calibration
+        if len(read) == 1:   # the common case: one tree read
+            i, depth_j, conf_i, outcome_i, q_i, x_i = read[0]
+            if cal is not None:
+                cal.learn(q_i, x_i)
+            return trees, (np.full(len(depth_j), i, np.int64), depth_j, conf_i, outcome_i)
+        if cal is not None and read:
+            cal.learn(np.concatenate([t[4] for t in read]), np.concatenate([t[5] for t in read]))
+        if not read:
             return trees, None
-        r_idx = np.repeat(np.asarray(r_rows, np.int64), r_counts)
-        return trees, (r_idx, *(np.concatenate(a) for a in (j_idx, conf, outcome)))
+        r_idx = np.repeat(np.asarray([t[0] for t in read], np.int64), [len(t[1]) for t in read])
+        return trees, (r_idx, *(np.concatenate([t[k] for t in read]) for k in (1, 2, 3)))
 
     def _verified_tree(self, ctx: StepContext) -> bool:
         return self._verified_a_tree
@@ -278,27 +276,29 @@ class TreeGoodputController(GoodputController):
             return super()._keep(ctx, drafts, lengths, observation, bound)
         rows = self._rows(ctx, lengths, observation)
         batch = len(lengths)
+        # A tree row offers lengths[i] nodes, a chain row lengths[i] drafts.
+        # A few rows: Python's max is cheaper than numpy's reduction.
+        width = max(lengths.tolist())
+        q_raw = conf = None
         every_row = len(found) == batch   # the common step: every row a tree
-        if every_row:
+        if every_row:   # no chain candidates: the matrices start empty
             chain_lengths = np.zeros(batch, np.int64)
-            chain_width = 0
+            q, valid = np.zeros((batch, width)), np.zeros((batch, width), np.bool_)
+            q_chain, valid_chain = np.zeros((batch, width)), np.zeros((batch, width), np.bool_)
+            lengths_chain = np.zeros(batch, np.int64)
         else:
             trees = np.zeros(batch, dtype=bool)
             for i, _ in found:
                 trees[i] = True
             chain_lengths = np.where(trees, 0, lengths)
-            # A few rows: Python's max is cheaper than numpy's reduction.
             chain_width = max(chain_lengths.tolist())
-        # A tree row offers lengths[i] nodes, a chain row lengths[i] drafts.
-        width = max(lengths.tolist())
-        q = np.zeros((batch, width))
-        q_raw = conf = None
-        if chain_width:
-            qc, q_raw, conf = self._prefix_probs(rows, drafts, chain_width, observation)
-            q[:, :chain_width] = np.where(trees[:, None], 0.0, qc)
-        valid = self._prefixes[chain_lengths, :width]
-        q_chain, valid_chain = q.copy(), valid.copy()
-        lengths_chain = chain_lengths.copy()
+            q = np.zeros((batch, width))
+            if chain_width:
+                qc, q_raw, conf = self._prefix_probs(rows, drafts, chain_width, observation)
+                q[:, :chain_width] = np.where(trees[:, None], 0.0, qc)
+            valid = self._prefixes[chain_lengths, :width]
+            q_chain, valid_chain = q.copy(), valid.copy()
+            lengths_chain = chain_lengths.copy()
         tree_rows = self._candidates(rows, drafts, lengths, found, q, valid, q_chain,
                                      valid_chain, lengths_chain)
         step = self._step_trees = TreeStep(tree_rows, q_chain, valid_chain, lengths_chain)

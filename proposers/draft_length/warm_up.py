@@ -57,6 +57,9 @@ def warm_up(controller: DraftLengthController) -> None:
         n = min(depth, 1 + step % depth) if offered else 0
         drafts = Drafts([list(range(n))], confidence=[np.full(n, 0.6)])
         kept = len(twin.shape(ctx, drafts, observation).tokens[0])
+    rest = getattr(twin, "rest", None)
+    if rest is not None:   # the twin may not rest (can_rest), so its comparison is not reached
+        rest.beats_drafting(1, 1.0, 1.0, 0)
     from vllm_plugins.proposers.draft_length.tree_goodput import TreeGoodputController
 
     if isinstance(twin, TreeGoodputController):
