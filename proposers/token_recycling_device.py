@@ -189,8 +189,9 @@ class DeviceRecyclingTables:
         torch.add(verified_tokens.t(), 1, out=b.verified_seq)
         top1 = b.top1_index(topk_ids)
         lp = topk_logprobs.take(top1)
-        learn_rows(self, b, topk_ids.take(top1) + 1,
-                   lp if lp.dtype == self.lp.dtype else lp.to(self.lp.dtype), num_verified)
+        torch.add(topk_ids.take(top1), 1, out=b.tok1)
+        learn_rows(self, b, lp if lp.dtype == self.lp.dtype else lp.to(self.lp.dtype),
+                   b.row < num_verified)
         if h:
             move_history(self, b, slots, (num_accepted + 1) * (num_verified > 0))
 
@@ -312,7 +313,7 @@ class DeviceRecyclingTables:
     # ---------------------------------------------- the device route's step
     def learn_and_draft(self, slots: torch.Tensor, verified_tokens: torch.Tensor,
                         top1_ids: torch.Tensor, top1_logprobs: torch.Tensor,
-                        num_verified: torch.Tensor, shift: torch.Tensor,
+                        valid: torch.Tensor, shift: torch.Tensor,
                         last_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``learn`` then ``propose`` for requests in distinct slots, as one
         step with fewer calls (the chain starts from the history ``learn``
@@ -323,9 +324,10 @@ class DeviceRecyclingTables:
         The rows come requests last, as the step gathers them:
         verified_tokens [N, R] int32 or int64, top1_ids [N, O, R] int64 and
         top1_logprobs [N, O, R]: row j's top-1 and its log-probability, once
-        for each context order; num_verified [R] as ``learn``'s; shift [R]:
-        the tokens the history moves on (``learn``'s
-        (num_accepted + 1) * (num_verified > 0)); last_tokens [R] int64.
+        for each context order; valid [N, O, R] bool: the rows ``learn``
+        learns (j < num_verified[r]); shift [R]: the tokens the history
+        moves on (``learn``'s (num_accepted + 1) * (num_verified > 0));
+        last_tokens [R] int64.
         """
         n, r = verified_tokens.shape
         b = self._learn_buffers(r, n)
@@ -333,15 +335,16 @@ class DeviceRecyclingTables:
             torch.index_select(self.hist1, 0, slots, out=b.history_seq)
         torch.add(verified_tokens, 1, out=b.verified_seq)
         torch.add(last_tokens, 1, out=b.newest_seq)
+        torch.add(top1_ids, 1, out=b.tok1)
         if top1_logprobs.dtype != self.lp.dtype:
             top1_logprobs = top1_logprobs.to(self.lp.dtype)
-        learn_rows(self, b, top1_ids + 1, top1_logprobs, num_verified)
+        learn_rows(self, b, top1_logprobs, valid)
         move_history(self, b, slots, shift)
         if num_tokens <= 0:
             return last_tokens.new_zeros(r, 0, dtype=torch.int64)
         tok1, _, drafted = walk(self, self._walk_buffers(r, num_tokens), b.window_rows,
                                 self.min_confidence)
-        return torch.where(drafted, tok1, b.newest) - 1
+        return torch.where(drafted, tok1, b.newest).sub_(1)
 
     def _learn_buffers(self, r: int, n: int) -> LearnBuffers:
         return self.per_shape(("learn", r, n), lambda: LearnBuffers(self, r, n))

@@ -47,7 +47,12 @@ class LearnBuffers:
             self.window_base = torch.where(t < h, t, h + n) * r + req
             self.window_step = (t < h) * r
             self.window = torch.zeros(o, r, dtype=i64, device=dev)
+            # The rows' writes to the tables' ``kt``, one [key, token + 1]
+            # pair a row and context order: one scatter writes both.
+            self.kt_rows = torch.zeros(n, o, r, 2, dtype=i64, device=dev)
         self._top1: dict[int, torch.Tensor] = {}
+        self.keys, self.tok1 = self.kt_rows[..., 0], self.kt_rows[..., 1]
+        self.kt_flat = self.kt_rows.view(-1, 2)
         self.history_seq = self.seq[:h].t()
         self.verified_seq = self.seq[h:h + n]
         self.newest_seq = self.seq[h + n]
@@ -68,17 +73,16 @@ class LearnBuffers:
         return got
 
 
-def learn_rows(tables, b: LearnBuffers, tok1: torch.Tensor, lp: torch.Tensor,
-               num_verified: torch.Tensor) -> None:
-    """The tables' entries <- the rows in ``b.seq``: tok1 (the target's
-    top-1 plus one) and lp [N, O, R], row j's for each of its contexts;
-    rows j >= num_verified [R] write nowhere."""
-    keys = (b.seq.take(b.context) * b.powers).cumsum(1)       # [N, O, R]
+def learn_rows(tables, b: LearnBuffers, lp: torch.Tensor, valid: torch.Tensor) -> None:
+    """The tables' entries <- the rows in ``b.seq``: ``b.tok1`` (the
+    target's top-1 plus one, written by the caller) and lp [N, O, R], row
+    j's for each of its contexts; rows where ``valid`` (broadcast to
+    [N, O, R]) is false write nowhere."""
+    keys = torch.cumsum(b.seq.take(b.context) * b.powers, 1, out=b.keys)  # [N, O, R]
     entry = torch.remainder(keys, b.modulus).add_(b.offset)
-    entry = torch.where(b.row < num_verified, entry, tables.trash)
+    entry = torch.where(valid, entry, tables.trash)
     dest = tables._highest_priority_wins(entry.view(-1), b.order)
-    tables.key.put_(dest, keys)
-    tables.tok1.put_(dest, tok1)
+    tables.kt.index_copy_(0, dest, b.kt_flat)
     tables.lp.put_(dest, lp)
 
 

@@ -21,11 +21,14 @@ def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(``[N, O, R]`` int64 indices of each request's logits rows, requests
     last, row j at ``[j, :, r]`` (``cols`` [N, O, 1]: j), clamped into the
-    step's ``num_rows`` rows (written into ``out`` where given); ``[R]``
-    how many are the request's and verified: 0 for a prefill chunk that
-    sampled nothing)."""
-    rows = torch.add(cu_num_logits[:-1], cols, out=out).clamp_(max=max(num_rows - 1, 0))
-    return rows, cu_num_logits.diff() * (num_sampled > 0)
+    step's ``num_rows`` rows (written into ``out`` where given); ``[N, O,
+    R]`` bool: the row is the request's and verified (none of a prefill
+    chunk that sampled nothing)). The row's index, before the clamp, is
+    below the request's end where it is the request's: one comparison, no
+    per-request count."""
+    rows = torch.add(cu_num_logits[:-1], cols, out=out)
+    valid = rows < cu_num_logits[1:] * (num_sampled > 0)
+    return rows.clamp_(max=max(num_rows - 1, 0)), valid
 
 
 class _Rows:
@@ -55,11 +58,11 @@ class DeviceRecyclingDrafter(DeviceDrafter):
             t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
         r, n = step.slots.shape[0], step.num_tokens + 1
         c = t.per_shape(("rows", r, n), lambda: _Rows(r, n, t.order, t.device))
-        rows, num_verified = verified_rows(step.cu_num_logits, step.num_sampled, c.cols,
-                                           step.verified_inputs.shape[0], out=c.rows)
+        rows, valid = verified_rows(step.cu_num_logits, step.num_sampled, c.cols,
+                                    step.verified_inputs.shape[0], out=c.rows)
         # A request samples at most one token a logits row: its history
         # moves on by num_sampled, 0 where it verified nothing.
         return t.learn_and_draft(
             step.slots, step.verified_inputs.take(c.first), step.top1_ids.take(rows),
-            step.top1_logprobs.take(rows), num_verified, step.num_sampled, step.last_tokens,
+            step.top1_logprobs.take(rows), valid, step.num_sampled, step.last_tokens,
             step.num_tokens)

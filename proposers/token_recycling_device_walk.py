@@ -96,5 +96,11 @@ def walk(tables, b: WalkBuffers, window1: torch.Tensor, min_confidence: float
     if contexts:
         torch.gather(b.entry_by_chain, 2, b.col_by_chain, out=b.best_by_chain)
     prob = tables.lp.take(b.best).double().exp()
-    stop = (b.tok1 == 0).logical_or_(prob.cumprod(1) < min_confidence)
+    stop = prob.cumprod(1) < min_confidence
+    if min_confidence <= 0:
+        stop.logical_or_(b.tok1 == 0)
+    # Else an unknown token stops the chain by its probability alone: an
+    # entry whose token is 0 was never written, so its log-probability is
+    # still -inf (every write stores a token of at least 1 with its
+    # log-probability), and the running product is 0 from there on.
     return b.tok1, prob, stop.cumsum(1) == 0

@@ -64,14 +64,17 @@ def test_the_step_learns_the_verified_rows_and_drafts_them():
 
 
 def test_rows_past_a_request_are_clamped_and_not_counted():
-    cu = torch.tensor([0, 4, 5], dtype=torch.int32)
+    cu = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
     cols = torch.arange(4).view(4, 1, 1).expand(4, 2, 1)
-    rows, count = verified_rows(cu, torch.tensor([3, 0]), cols, 5)
+    rows, valid = verified_rows(cu, torch.tensor([3, 0, 1], dtype=torch.int32), cols, 7)
     # Requests last, each row once per context order.
-    assert rows.shape == (4, 2, 2)
-    assert rows[:, 0].t().tolist() == [[0, 1, 2, 3], [4, 4, 4, 4]]
+    assert rows.shape == valid.shape == (4, 2, 3)
+    assert rows[:, 0].t().tolist() == [[0, 1, 2, 3], [4, 5, 6, 6], [5, 6, 6, 6]]
     assert torch.equal(rows[:, 0], rows[:, 1])
-    assert count.tolist() == [4, 0]
+    # Every row of a request that sampled, up to its end; none of a chunk
+    # that sampled nothing.
+    assert valid[:, 0].t().tolist() == [[True] * 4, [False] * 4, [True, True, False, False]]
+    assert torch.equal(valid[:, 0], valid[:, 1])
 
 
 def test_the_v2_speculator_reads_nothing_back_either():
