@@ -40,6 +40,9 @@ class DeviceSpeculator(V2Drafter):
         self.drafter = proposer.device_drafter()
         self._seeded: dict[int, str] = {}  # state row -> the request seeded there
         self._top1: tuple[torch.Tensor, torch.Tensor] | None = None
+        # V2's last_sampled_tokens (one tensor for the runner's life) and
+        # how the step reads it (``_newest``), decided once.
+        self._last_sampled: tuple[torch.Tensor, bool] | None = None
         self._engine_core_k = self.steers_step_k and isinstance(proposer.controller,
                                                                 GoodputController)
 
@@ -50,10 +53,12 @@ class DeviceSpeculator(V2Drafter):
         """The target's top-1 and its log-probability at every row, on the
         logits' device (``topk_logprobs``: on a CPU its compiled pass into a
         kept buffer, where torch's ``logsumexp`` over a vocabulary costs
-        more than the rest of the step)."""
+        more than the rest of the step). Kept [rows, 1]: the step reads
+        them through ``take``, which sees any tensor flat, so a column
+        view would cost a call each for nothing."""
         with torch.no_grad():
             lps, ids = topk_logprobs(logits, 1)
-            self._top1 = (ids[:, 0], lps[:, 0])
+            self._top1 = (ids, lps)
 
     def draft(self, input_batch, num_reqs: int, num_sampled: torch.Tensor,
               last_sampled: torch.Tensor, step_k: int) -> torch.Tensor:
@@ -69,25 +74,37 @@ class DeviceSpeculator(V2Drafter):
             verified_inputs=input_batch.input_ids.index_select(0, input_batch.logits_indices),
             top1_ids=top1[0], top1_logprobs=top1[1],
             num_sampled=_first(num_sampled, num_reqs),
-            last_tokens=_newest(last_sampled, slots),
+            last_tokens=self._newest(last_sampled, slots),
             num_tokens=self.num_speculative_steps)
         self._add_new_requests(step, input_batch, num_reqs)
         return self.drafter.device_step(step)
 
+    def _newest(self, last_sampled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """[R] int64: each slot's last sampled token (V2's
+        ``last_sampled_tokens`` [max_num_reqs, 1] int64: one ``take``)."""
+        seen = self._last_sampled
+        if seen is None or seen[0] is not last_sampled:
+            seen = self._last_sampled = (last_sampled, _flat_int64(last_sampled))
+        if seen[1] and slots.dtype == torch.int64:
+            return last_sampled.take(slots)
+        newest = last_sampled[slots, 0]
+        return newest if newest.dtype == torch.int64 else newest.to(torch.int64)
+
     def _add_new_requests(self, step: DeviceStep, input_batch, num_reqs: int) -> None:
-        index = input_batch.idx_mapping_np[:num_reqs]
-        req_ids = input_batch.req_ids[:num_reqs]
-        new = [b for b, req_id in enumerate(req_ids) if self._seeded.get(int(index[b])) != req_id]
+        """Host work per request, a dict look-up each (the state rows as
+        Python ints once)."""
+        seeded = self._seeded
+        pairs = zip(input_batch.idx_mapping_np[:num_reqs].tolist(), input_batch.req_ids)
+        new = [(row, req_id) for row, req_id in pairs if seeded.get(row) != req_id]
         if not new:
             return
-        rows = [int(index[b]) for b in new]
+        rows = [row for row, _ in new]
         lengths = self.req_states.prefill_len.np[rows].astype("int64")
         step.new_slots = torch.as_tensor(rows, dtype=torch.int64, device=self.device)
         step.new_tokens = self.req_states.all_token_ids.gpu[
             step.new_slots, :int(lengths.max())].to(torch.int64)
         step.new_lengths = torch.as_tensor(lengths, device=self.device)
-        for b in new:
-            self._seeded[int(index[b])] = req_ids[b]
+        seeded.update(new)
 
 
 # Each torch call costs the step a few µs of host time, a view as much as
@@ -98,12 +115,8 @@ def _first(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[0] == n else x[:n]
 
 
-def _newest(last_sampled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """[R] int64: each slot's last sampled token (V2's ``last_sampled_tokens``
-    [max_num_reqs, 1] int64, one gather)."""
-    if (last_sampled.dim() == 2 and last_sampled.shape[1] == 1 and last_sampled.is_contiguous()
-            and slots.dtype == torch.int64):
-        newest = last_sampled.take(slots)
-    else:
-        newest = last_sampled[slots, 0]
-    return newest if newest.dtype == torch.int64 else newest.to(torch.int64)
+def _flat_int64(last_sampled: torch.Tensor) -> bool:
+    """Whether ``take`` at a slot reads its last sampled token: one int64
+    column, contiguous."""
+    return (last_sampled.dim() == 2 and last_sampled.shape[1] == 1
+            and last_sampled.is_contiguous() and last_sampled.dtype == torch.int64)
