@@ -269,6 +269,10 @@ def test_the_device_check_runs_on_cpu_tensors_without_vllm(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     assert all(r["host_ms"] > 0 and r["topk_ms"] > 0 and "graph_ms" not in r for r in rows)
+    # The device route's step: timed, and its torch calls do not grow with
+    # the batch.
+    assert all(r["route_ms"] > 0 for r in rows)
+    assert rows[0]["route_calls"] == rows[1]["route_calls"] > 0
 
 
 def test_a_step_s_outputs_outlive_the_next_step_of_its_shape():

@@ -13,6 +13,13 @@ prompt per request. Reported per batch size, in milliseconds per step:
 - ``graph``: one CUDA graph of learn plus propose, replayed (CUDA only).
 - ``topk``: ``torch.topk`` over the step's verified rows' logits, which the
   bridge runs before learning (one kernel on a GPU), timed apart.
+- ``route``: V2's device route's step (``DeviceRecyclingDrafter.device_step``,
+  learn and draft from V2's tensors: int32 input ids and logits offsets,
+  the top-1 as ``[rows, 1]``), host time as ``host``; ``route_calls``: its
+  torch calls, views included (each costs a step about as much as a small
+  kernel). With ``--cool`` a 64 MiB sweep runs before each timed step, as
+  the target's forward does in an engine: the step's calls then cost what
+  they cost there (several times their cost back to back).
 
 On CUDA every learn and propose runs under
 ``torch.cuda.set_sync_debug_mode("error")``: an op that waits for the device
@@ -47,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--context-slots", type=int, default=1 << 20)
     p.add_argument("--draft", type=int, default=6, help="tokens drafted per request")
     p.add_argument("--steps", type=int, default=50, help="timed steps per batch size")
+    p.add_argument("--cool", action="store_true",
+                   help="evict the caches before each timed step (see route)")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     return p.parse_args(argv)
 
@@ -123,7 +132,50 @@ def measure(args, r: int, device) -> dict:
                "topk_ms": _time_topk(s.logits, args.topk, args.steps, device)}
         if device.type == "cuda":
             row["graph_ms"] = _time_graph(t, s, args, device)
+        row["route_ms"], row["route_calls"] = _time_route(t, s, args, device)
     return row
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """Counts the torch calls (functions, methods, views) made inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _time_route(t, s, args, device) -> tuple[float, int]:
+    """The device route's step on the tables: host ms (median) and torch
+    calls a step."""
+    from vllm_plugins.drafter import DeviceStep
+    from vllm_plugins.proposers.token_recycling_device_step import DeviceRecyclingDrafter
+
+    drafter = DeviceRecyclingDrafter(t, seed_from_prompt=True)
+    r, n = s.slots.shape[0], args.draft + 1
+    cu = torch.arange(0, r * n + 1, n, dtype=torch.int32, device=device)
+    steps = [DeviceStep(s.slots, cu, verified.view(-1).int(), ids[:, :, :1].reshape(-1, 1),
+                        lps[:, :, :1].reshape(-1, 1), (na + 1).int(), last, args.draft)
+             for verified, ids, lps, _, na, last in s.inputs]
+    sweep = torch.zeros(16 << 20, device=device) if args.cool else None
+    for step in steps:
+        drafter.device_step(step)
+    counted = _Calls()
+    with counted:
+        drafter.device_step(steps[0])
+    times = []
+    for i in range(args.steps):
+        if sweep is not None:
+            sweep.add_(1)
+            _sync(device)
+        c0 = time.thread_time()
+        drafter.device_step(steps[i % len(steps)])
+        times.append(time.thread_time() - c0)
+    _sync(device)
+    return 1e3 * statistics.median(times), counted.calls
 
 
 def _time_topk(logits, k: int, steps: int, device) -> float:
@@ -174,13 +226,14 @@ def main(argv=None) -> int:
     print(f"tr-device on {device}: vocab {args.vocab}, k {args.topk}, context_order "
           f"{args.context_order}, {args.context_slots} slots "
           f"({t.nbytes() / 2**20:.1f} MiB), draft {args.draft}, {args.steps} steps; ms/step")
-    cols = ["batch", "host_ms", "learn_ms", "propose_ms", "wall_ms", "graph_ms", "topk_ms"]
+    cols = ["batch", "host_ms", "learn_ms", "propose_ms", "wall_ms", "graph_ms", "topk_ms",
+            "route_ms", "route_calls"]
     print(" ".join(f"{c:>10}" for c in cols))
     rows = []
     for r in args.batch_sizes:
         row = measure(args, r, device)
         rows.append(row)
-        print(" ".join(f"{row[c]:>10.3f}" if c in row and c != "batch" else
+        print(" ".join(f"{row[c]:>10.3f}" if c in row and c not in ("batch", "route_calls") else
                        f"{row.get(c, '-'):>10}" for c in cols), flush=True)
     if args.out:
         with open(args.out, "w") as f:
