@@ -255,19 +255,15 @@ class EstimatingController(DraftLengthController):
         if not reqs:
             return observation
         rows = observation.rows = self.slots.slots([r.req_id for r in reqs])
-        # Per row: tokens emitted, drafts verified, the last token emitted
-        # (written into a kept buffer: over a few rows, building an array
-        # from tuples cost more than the learning).
+        # Per row: tokens emitted, drafts verified, the last token emitted (into
+        # a kept buffer: an array built from tuples cost more than the learning).
         batch = len(reqs)
         if len(self._info) < batch:
             self._info = np.empty((2 * batch, 3), np.int64)
         info = self._info[:batch]
         for i, r in enumerate(reqs):
-            emitted = r.accepted
-            n = len(emitted)
-            info[i, 0] = n
-            info[i, 1] = r.num_draft
-            info[i, 2] = emitted[-1] if n else -1
+            n = len(r.accepted)
+            info[i] = n, r.num_draft, r.accepted[-1] if n else -1
         # Rows whose drafts were trees teach the per-position estimates
         # nothing; the policy reads them node by node (``extra``: their
         # node outcomes for the confidence calibration, typed as
@@ -303,6 +299,8 @@ class EstimatingController(DraftLengthController):
         if rows is None:
             return
         self._kernel_state()
+        # Confidences only arrive with the drafts: no bound for rows given them
+        # (``conf_seen`` in ``_bound_args``).
         observation.probs, bound = bound_step(
             rows, float(self._length_threshold(observation)), self._probe_gap(),
             self._MAX_BACKOFF, self.max_draft, *self._bound_args)

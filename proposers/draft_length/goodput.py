@@ -177,7 +177,7 @@ class GoodputController(EstimatingController):
         # model's current line (_line_cached).
         self._idle_cache: dict[int, float] = {}
         self._threshold_cache: dict[int, float] = {}
-        self._idle_line = (-1, 0.0)
+        self._idle_line: tuple = ()
 
     @property
     def rests_next_step(self) -> bool:
@@ -303,7 +303,7 @@ class GoodputController(EstimatingController):
         """Empties the values kept per batch size where the cost model's
         line has changed since they were computed."""
         cost = self.cost
-        line = (cost.current_fit(), cost.context_now)
+        line = (cost, cost.current_fit(), cost.context_now)
         if line != self._idle_line:
             self._idle_line = line
             self._idle_cache.clear()

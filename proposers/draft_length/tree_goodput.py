@@ -222,7 +222,9 @@ class TreeGoodputController(GoodputController):
             i, depth_j, conf_i, outcome_i, q_i, x_i = read[0]
             if cal is not None:
                 cal.learn(q_i, x_i)
-            return trees, (np.full(len(depth_j), i, np.int64), depth_j, conf_i, outcome_i)
+            r_idx = np.empty(len(depth_j), np.int64)
+            r_idx.fill(i)   # np.full's Python layer cost more than this
+            return trees, (r_idx, depth_j, conf_i, outcome_i)
         if cal is not None and read:
             cal.learn(np.concatenate([t[4] for t in read]), np.concatenate([t[5] for t in read]))
         if not read:
@@ -238,6 +240,18 @@ class TreeGoodputController(GoodputController):
         self._layouts = {}
         keep = self.decide(ctx, drafts, observation)
         layouts, self._layouts = self._layouts, {}
+        if layouts and len(layouts) == len(keep):
+            # Every row a tree (the common step): ``trim``'s prefixes of the
+            # tokens, confidences and parents would all be replaced.
+            tokens, conf, parents = [], [], []
+            for i in range(len(keep)):
+                row_tokens, row_parents, layout = layouts[i]
+                tokens.append(row_tokens)
+                conf.append(np.asarray(drafts.confidence[i])[layout])
+                parents.append(row_parents)
+            probs = None if drafts.probs is None else \
+                [None if p is None else p[:k] for p, k in zip(drafts.probs, keep)]
+            return type(drafts)(tokens, probs, conf, parents)
         out = trim(drafts, keep)
         for i, (tokens, parents, layout) in layouts.items():
             out.tokens[i] = tokens
