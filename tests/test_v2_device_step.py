@@ -102,3 +102,30 @@ def test_the_v2_speculator_reads_nothing_back_either():
     drafts = spec.draft(batch, 3, sampled, torch.zeros(8, 1, dtype=torch.int64, device="meta"), K)
     assert drafts.device.type == "meta"
     assert drafts.shape == (3, K) and drafts.dtype == torch.int64
+
+
+def test_the_v2_speculator_seeds_requests_new_to_their_row():
+    """A request is new where its state row last held another request (or
+    none): its prompt's end becomes the row's history, once."""
+    from types import SimpleNamespace
+
+    from vllm_plugins.bridge.v2.device_speculator import DeviceSpeculator
+    from vllm_plugins.drafter import DeviceStep as Step
+
+    spec = DeviceSpeculator.__new__(DeviceSpeculator)
+    spec.device = torch.device("cpu")
+    spec._seeded = {4: "a", 0: "old"}
+    tokens = torch.arange(40, dtype=torch.int32).view(5, 8)
+    spec.req_states = SimpleNamespace(prefill_len=SimpleNamespace(np=np.array([3, 0, 5, 0, 6])),
+                                      all_token_ids=SimpleNamespace(gpu=tokens))
+    batch = SimpleNamespace(idx_mapping_np=np.array([4, 0, 2], np.intp), req_ids=["a", "b", "c"])
+    step = Step(*[None] * 7, num_tokens=K)
+    spec._add_new_requests(step, batch, 3)
+    assert step.new_slots.tolist() == [0, 2]
+    assert step.new_lengths.tolist() == [3, 5]
+    assert step.new_tokens.dtype == torch.int64
+    assert step.new_tokens.tolist() == [[0, 1, 2, 3, 4], [16, 17, 18, 19, 20]]
+    assert spec._seeded == {4: "a", 0: "b", 2: "c"}
+    again = Step(*[None] * 7, num_tokens=K)
+    spec._add_new_requests(again, batch, 3)
+    assert again.new_slots is None
