@@ -97,8 +97,9 @@ class DeviceStep:
     # (the row after the request's newest token before this step's drafts,
     # then one per draft).
     cu_num_logits: Any
-    # [rows] int32 or int64: the input token at each logits row; [rows]
-    # int64 and float32: the target's top-1 after it and its log-probability.
+    # [rows] int32 or int64: the input token at each logits row; [rows, 1]
+    # int64 and float32: the target's top-1 after it and its log-probability
+    # (read flat, with ``take``).
     verified_inputs: Any
     top1_ids: Any
     top1_logprobs: Any
