@@ -94,7 +94,8 @@ def test_the_v2_speculator_reads_nothing_back_either():
     spec = DeviceSpeculator(config, torch.device("meta"), None, proposer)
     slots, cu, inputs, top1, lps, sampled, last = step_inputs("meta", 3)
     spec._seeded = {4: "a", 0: "b", 2: "c"}  # no request is new
-    batch = SimpleNamespace(idx_mapping=slots, idx_mapping_np=np.array([4, 0, 2], np.intp), req_ids=["a", "b", "c"],
+    batch = SimpleNamespace(idx_mapping=slots, idx_mapping_np=np.array([4, 0, 2], np.intp),
+                            req_ids=["a", "b", "c"],
                             cu_num_logits=cu, input_ids=inputs.int(),
                             logits_indices=torch.arange(inputs.shape[0], dtype=torch.int32,
                                                         device="meta"))

@@ -389,14 +389,9 @@ class TreeGoodputController(GoodputController):
             step.mode = TREE
             return goodput_allocation(q, valid, intercept, slope, cost.verify_step_s,
                                       cost.new_shape_s, sizes)
-        # ``tree_allocation`` without its conversions: the step's matrices are
-        # already contiguous float64 and bool.
-        new_shape_s = cost.new_shape_s
-        keep, goodput, tokens, as_tree = _both_shapes(
-            q, valid, step.q_chain, step.valid_chain, float(intercept), float(slope),
-            float(cost.verify_step_s), float(cost.tree_step_s), float(new_shape_s),
-            _NO_SIZES if sizes is None or new_shape_s <= 0 else sizes, sizes is not None)
-        step.mode = TREE if as_tree else CHAIN
+        keep, goodput, tokens, step.mode = tree_allocation(
+            q, valid, step.q_chain, step.valid_chain, intercept, slope, cost.verify_step_s,
+            cost.tree_step_s, cost.new_shape_s, sizes)
         return keep, goodput, tokens
 
     def _tree_probe_due(self) -> bool:

@@ -57,18 +57,19 @@ def warm_up(controller: DraftLengthController) -> None:
         n = min(depth, 1 + step % depth) if offered else 0
         drafts = Drafts([list(range(n))], confidence=[np.full(n, 0.6)])
         kept = len(twin.shape(ctx, drafts, observation).tokens[0])
-    rest = getattr(twin, "rest", None)
-    if rest is not None:   # the twin may not rest (can_rest), so its comparison is not reached
-        rest.beats_drafting(1, 1.0, 1.0, 0)
-    from vllm_plugins.proposers.draft_length.tree_goodput import TreeGoodputController
+    from vllm_plugins.proposers.draft_length.goodput import GoodputController
+    from vllm_plugins.proposers.draft_length.tree_goodput import (TreeGoodputController,
+                                                                  tree_allocation)
+
+    if isinstance(twin, GoodputController):
+        # The twin may not rest (can_rest), so its rest comparison is not reached.
+        twin.rest.beats_drafting(1, 1.0, 1.0, 0)
 
     if isinstance(twin, TreeGoodputController):
         from vllm_plugins.proposers.draft_length import tree_kernels
 
         tree_kernels.warm_up()   # its per-tree loops, which synthetic chains never reach
         # ... and its allocation over both shapes (``TreeGoodputController._allocate``).
-        from vllm_plugins.proposers.draft_length.tree_goodput import tree_allocation
-
         q, valid = np.full((1, 2), 0.5), np.ones((1, 2), np.bool_)
         tree_allocation(q, valid, q, valid, 1.0, 0.1, 0.0, 0.0, 0.0, np.zeros(1, np.int64))
         if twin.path_calibration is not None:   # the twin's: nothing of it is kept

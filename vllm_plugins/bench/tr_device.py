@@ -150,7 +150,8 @@ class _Calls(torch.overrides.TorchFunctionMode):
 
 def _time_route(t, s, args, device) -> tuple[float, int]:
     """The device route's step on the tables: host ms (median) and torch
-    calls a step."""
+    calls a step; on CUDA every step runs under ``_NoSyncs``, as learn and
+    propose do."""
     from vllm_plugins.drafter import DeviceStep
     from vllm_plugins.proposers.token_recycling_device_step import DeviceRecyclingDrafter
 
@@ -161,19 +162,21 @@ def _time_route(t, s, args, device) -> tuple[float, int]:
                         lps[:, :, :1].reshape(-1, 1), (na + 1).int(), last, args.draft)
              for verified, ids, lps, _, na, last in s.inputs]
     sweep = torch.zeros(16 << 20, device=device) if args.cool else None
-    for step in steps:
-        drafter.device_step(step)
-    counted = _Calls()
-    with counted:
-        drafter.device_step(steps[0])
+    with _NoSyncs(device):
+        for step in steps:
+            drafter.device_step(step)
+        counted = _Calls()
+        with counted:
+            drafter.device_step(steps[0])
     times = []
     for i in range(args.steps):
         if sweep is not None:
             sweep.add_(1)
             _sync(device)
-        c0 = time.thread_time()
-        drafter.device_step(steps[i % len(steps)])
-        times.append(time.thread_time() - c0)
+        with _NoSyncs(device):
+            c0 = time.thread_time()
+            drafter.device_step(steps[i % len(steps)])
+            times.append(time.thread_time() - c0)
     _sync(device)
     return 1e3 * statistics.median(times), counted.calls
 
