@@ -86,7 +86,7 @@ def test_both_shapes_in_one_call_equals_two_allocations(seed):
     want = (*as_tree, TREE) if as_tree[1] > as_chain[1] else (*as_chain, CHAIN)
     got = tree_allocation(q, valid, q_chain, valid_chain, a, b, verify, tree_s, shape_s, sizes)
     assert got[0].tolist() == want[0].tolist() and got[1:] == want[1:]
-    # The controller's own call, without the wrapper's conversions.
+    # The compiled call itself, with the arguments the wrapper gives it.
     warm = np.zeros(0, np.int64) if sizes is None or shape_s <= 0 else sizes
     keep, goodput, tokens, tree = _both_shapes(q, valid, q_chain, valid_chain, a, b, verify,
                                                tree_s, shape_s, warm, sizes is not None)
