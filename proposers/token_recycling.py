@@ -159,6 +159,11 @@ class TokenRecyclingProposer(PluginProposer):
         super().load_model(target_model)
         if self.device_chains is not None:
             self.device_chains.to(target_device(target_model))
+            if self.device_chains.tables.compiled:
+                from vllm_plugins.proposers.token_recycling_device_compiled import (
+                    warm_up as warm_up_compiled_step)
+
+                warm_up_compiled_step()  # the route's step, compiled now, not in a step
             return
         warm_up()  # numba compiles (or loads) the walk now, not in a step
         if self._tree is not None:

@@ -92,7 +92,7 @@ class DeviceRecyclingTables:
 
     def __init__(self, vocab_size: int, context_order: int, context_slots: int,
                  max_slots: int, min_confidence: float = 0.02,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", compiled: bool = True):
         if context_order < 1:
             raise ValueError(f"context_order must be >= 1, got {context_order}")
         if max_slots < 1:
@@ -105,6 +105,10 @@ class DeviceRecyclingTables:
         self.entries = self.slots + vocab_size     # the trash entry's index
         self.max_slots = max_slots
         self.prime = PRIME
+        # On a CPU the device route's step is one compiled call
+        # (``token_recycling_device_compiled``); False keeps its torch twin.
+        self.compile_on_cpu = compiled
+        self._compiled_constants = None
         # Constants and scratch of a step, per batch shape (``per_shape``).
         self._shapes: OrderedDict = OrderedDict()
         dev, i64 = self.device, torch.int64
@@ -137,6 +141,18 @@ class DeviceRecyclingTables:
     def _columns(self) -> None:
         self.key, self.tok1 = self.kt[:, 0], self.kt[:, 1]
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the device route's step runs compiled: tables on a CPU."""
+        return self.compile_on_cpu and self.device.type == "cpu"
+
+    def compiled_constants(self):
+        """(powers, modulus, offset) as numpy arrays, for the compiled step."""
+        if self._compiled_constants is None:
+            self._compiled_constants = tuple(x.numpy() for x in (self.powers, self.modulus,
+                                                                 self.offset))
+        return self._compiled_constants
+
     def nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size()
                    for n in self._TENSORS)
@@ -148,6 +164,7 @@ class DeviceRecyclingTables:
             setattr(self, n, getattr(self, n).to(self.device))
         self._columns()
         self._shapes.clear()
+        self._compiled_constants = None
 
     def resize_slots(self, max_slots: int) -> None:
         """Room for ``max_slots`` request slots, histories kept (eager; the

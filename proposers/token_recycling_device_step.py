@@ -14,6 +14,7 @@ import torch
 
 from vllm_plugins.drafter import DeviceDrafter, DeviceStep
 from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
+from vllm_plugins.proposers.token_recycling_device_compiled import compiled_step
 
 
 def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor,
@@ -56,6 +57,10 @@ class DeviceRecyclingDrafter(DeviceDrafter):
             # The prefill's end is each new slot's history; its tokens seed
             # the tables (entries the target has not filled).
             t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
+        if t.compiled:
+            return compiled_step(t, step.slots, step.cu_num_logits, step.verified_inputs,
+                                 step.top1_ids, step.top1_logprobs, step.num_sampled,
+                                 step.last_tokens, step.num_tokens)
         r, n = step.slots.shape[0], step.num_tokens + 1
         c = t.per_shape(("rows", r, n), lambda: _Rows(r, n, t.order, t.device))
         rows, valid = verified_rows(step.cu_num_logits, step.num_sampled, c.cols,

@@ -20,6 +20,9 @@ prompt per request. Reported per batch size, in milliseconds per step:
   kernel). With ``--cool`` a 64 MiB sweep runs before each timed step, as
   the target's forward does in an engine: the step's calls then cost what
   they cost there (several times their cost back to back).
+- ``compiled`` (a CPU only): the same step as one compiled call, what the
+  route runs where the tables are CPU tensors
+  (``token_recycling_device_compiled``), host time as ``route``.
 
 On CUDA every learn and propose runs under
 ``torch.cuda.set_sync_debug_mode("error")``: an op that waits for the device
@@ -102,7 +105,7 @@ class _NoSyncs:
 
 def measure(args, r: int, device) -> dict:
     t = DeviceRecyclingTables(args.vocab, args.context_order, args.context_slots, r, 0.02,
-                              device)
+                              device, compiled=False)
     s = Steps(args, r, device)
     with torch.inference_mode(), _NoSyncs(device):
         t.seed(s.slots, s.prompts, torch.full((r,), 64, device=device))
@@ -133,6 +136,11 @@ def measure(args, r: int, device) -> dict:
         if device.type == "cuda":
             row["graph_ms"] = _time_graph(t, s, args, device)
         row["route_ms"], row["route_calls"] = _time_route(t, s, args, device)
+        if device.type == "cpu":
+            compiled = DeviceRecyclingTables(args.vocab, args.context_order,
+                                             args.context_slots, r, 0.02, device)
+            compiled.seed(s.slots, s.prompts, torch.full((r,), 64, device=device))
+            row["compiled_ms"], _ = _time_route(compiled, s, args, device)
     return row
 
 
@@ -230,7 +238,7 @@ def main(argv=None) -> int:
           f"{args.context_order}, {args.context_slots} slots "
           f"({t.nbytes() / 2**20:.1f} MiB), draft {args.draft}, {args.steps} steps; ms/step")
     cols = ["batch", "host_ms", "learn_ms", "propose_ms", "wall_ms", "graph_ms", "topk_ms",
-            "route_ms", "route_calls"]
+            "route_ms", "route_calls", "compiled_ms"]
     print(" ".join(f"{c:>10}" for c in cols))
     rows = []
     for r in args.batch_sizes:

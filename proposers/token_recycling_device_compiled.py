@@ -1,0 +1,154 @@
+"""The device route's step (``DeviceRecyclingDrafter.device_step``) as one
+compiled call, where the device tables are CPU tensors.
+
+On a GPU the route's torch ops are kernel launches that a CUDA graph
+replays as one; on a CPU each is its own dispatch, a few µs with the caches
+a forward left, and a step of about a hundred of them costs more than the
+work they do. Here the same step is one numba call over the tables'
+memory (``Tensor.numpy()`` shares it; nothing is copied), so that the
+device tables cost a CPU what the host tables do.
+
+The torch ops (``token_recycling_device_learn``, ``_walk``) are the twin:
+the same writes, in the same order, and the same drafts
+(tests/test_token_recycling_device_compiled.py runs both on random steps).
+One difference is allowed for: the trash entry, which the torch ops write
+with every write that loses and this loop never writes (drafting never reads
+it). A chain's running probability is computed alike (float64 products of
+``exp`` of the stored float32), but numba's ``exp`` and torch's vectorised
+one may differ in the last bit, which moves a stop only where the product
+lands within a rounding of ``min_confidence``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from vllm_plugins.proposers.jit import cached_njit
+
+
+@cached_njit
+def _step(kt, lp, hist1, powers, modulus, offset, prime, min_confidence,
+          slots, cu_num_logits, verified_inputs, top1_ids, top1_logprobs, num_sampled,
+          last_tokens, num_rows, drafts):
+    """learn (every request's verified rows, request by request, row by
+    row, order by order: the torch route's write order) then, from each
+    request's moved history, its chain into ``drafts`` [R, k]."""
+    r_count, k = drafts.shape
+    o = powers.shape[0]
+    h = o - 1
+    n = k + 1
+    seq = np.zeros(h + n + 1, np.int64)
+    # Pass 1: learning, all requests before any chain (as the twin).
+    for r in range(r_count):
+        if num_sampled[r] <= 0:
+            continue
+        slot = slots[r]
+        start = cu_num_logits[r]
+        rows = min(cu_num_logits[r + 1] - start, n)
+        for t in range(h):
+            seq[t] = hist1[slot, t]
+        for j in range(rows):
+            seq[h + j] = verified_inputs[start + j] + 1
+        for j in range(rows):
+            tok1 = top1_ids[start + j] + 1
+            logp = top1_logprobs[start + j]
+            key = np.int64(0)
+            for m in range(o):
+                key += seq[h + j - m] * powers[m]
+                entry = key % modulus[m] + offset[m]
+                kt[entry, 0] = key
+                kt[entry, 1] = tok1
+                lp[entry] = logp
+    # Pass 2: each request's history moves on, then its chain.
+    window = np.zeros(o, np.int64)
+    keys = np.zeros(o + 1, np.int64)
+    entries = np.zeros(o, np.int64)
+    for r in range(r_count):
+        slot = slots[r]
+        start = cu_num_logits[r]
+        shift = num_sampled[r] if num_sampled[r] > 0 else 0
+        newest1 = last_tokens[r] + 1
+        for t in range(h):
+            if shift == 0:
+                window[t] = hist1[slot, t]
+            elif t + shift < h:
+                window[t] = hist1[slot, t + shift]
+            else:
+                # seq[t + shift]: a verified row's input (rows past the
+                # step's logits clamp to its last, as the twin's do).
+                row = min(start + t + shift - h, num_rows - 1)
+                window[t] = verified_inputs[row] + 1
+        window[h] = newest1
+        for t in range(h):
+            hist1[slot, t] = window[t]
+        # Column c: the context of order o - c, longest first.
+        for c in range(o):
+            acc = np.int64(0)
+            for t in range(c, o):
+                acc += window[t] * powers[o - 1 - t]
+            keys[c] = acc
+        keys[o] = 0
+        p = 1.0
+        drafting = True
+        for j in range(k):
+            if not drafting:
+                drafts[r, j] = newest1 - 1
+                continue
+            for c in range(o):
+                entries[c] = keys[c] % modulus[o - 1 - c] + offset[o - 1 - c]
+            col = o - 1
+            for c in range(o - 1):
+                if kt[entries[c], 0] == keys[c]:
+                    col = c
+                    break
+            best = entries[col]
+            tok = kt[best, 1]
+            p *= math.exp(np.float64(lp[best]))
+            if p < min_confidence or (min_confidence <= 0 and tok == 0):
+                drafting = False
+                drafts[r, j] = newest1 - 1
+                continue
+            drafts[r, j] = tok - 1
+            for c in range(o - 1):
+                keys[c] = tok + keys[c + 1] * prime
+            keys[o - 1] = tok
+
+
+def _flat(x: torch.Tensor) -> np.ndarray:
+    return x.numpy().reshape(-1)
+
+
+def compiled_step(tables, slots: torch.Tensor, cu_num_logits: torch.Tensor,
+                  verified_inputs: torch.Tensor, top1_ids: torch.Tensor,
+                  top1_logprobs: torch.Tensor, num_sampled: torch.Tensor,
+                  last_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``DeviceRecyclingTables``' learn then draft for the step's requests
+    (distinct slots; the inputs as ``DeviceStep`` holds them, CPU tensors):
+    drafts [R, num_tokens] int64, padded with the request's newest token
+    where the chain stops."""
+    drafts = torch.empty(slots.shape[0], max(num_tokens, 0), dtype=torch.int64)
+    if top1_logprobs.dtype != tables.lp.dtype:
+        top1_logprobs = top1_logprobs.to(tables.lp.dtype)
+    c = tables.compiled_constants()
+    _step(tables.kt.numpy(), tables.lp.numpy(), tables.hist1.numpy(), c[0], c[1], c[2],
+          tables.prime, tables.min_confidence, slots.numpy(), cu_num_logits.numpy(),
+          _flat(verified_inputs), _flat(top1_ids), _flat(top1_logprobs), num_sampled.numpy(),
+          last_tokens.numpy(), verified_inputs.shape[0], drafts.numpy())
+    return drafts
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the step for the dtypes V2
+    hands it (int32 ids and counts, int64 slots), before any engine step."""
+    from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
+
+    for order in (1, 3):
+        t = DeviceRecyclingTables(16, order, 8, 2, 0.02, "cpu")
+        for ids in (torch.int32, torch.int64):
+            compiled_step(t, torch.tensor([0]), torch.tensor([0, 2], dtype=torch.int32),
+                          torch.tensor([1, 2], dtype=ids), torch.tensor([[2], [3]]),
+                          torch.tensor([[-0.1], [-0.1]]), torch.tensor([2], dtype=torch.int32),
+                          torch.tensor([3]), 2)
