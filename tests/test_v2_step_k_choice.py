@@ -202,3 +202,41 @@ def test_the_engine_core_chooses_where_the_drafter_asks_it_to():
     fresh = type(chooser)(3)
     fresh.observe([3, 3], [2, 0], None, 17)
     assert np.allclose(chooser.acceptance(), fresh.acceptance())
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64, 256])
+def test_the_engine_cores_compiled_counts_and_k_are_numpy_s(batch):
+    """``BatchStepK``'s compiled counting and choice against the numpy
+    they replace (``goodput.uniform_step_k`` over the batch's rows, the
+    counts' decayed sums), step by step on random steps: the same counts
+    to the bit and the same k."""
+    from vllm_plugins.proposers.draft_length.batch_k import BatchStepK, _uniform_k
+    from vllm_plugins.proposers.draft_length.goodput import uniform_step_k
+
+    rng = np.random.default_rng(batch)
+    wanted = set()
+    chooser = BatchStepK(6, explore=0.0, warmup_explore=0.0)
+    reached, hits = chooser.reached.copy(), chooser.accepted.copy()
+    for _ in range(200):
+        verified = rng.integers(0, 9, batch)
+        accepted = rng.integers(-1, 9, batch)
+        chooser.observe(verified.tolist(), accepted.tolist(), None, batch)
+        new_reached, new_hits = np.zeros(6), np.zeros(6)
+        for v, a in zip(verified, accepted):
+            v = min(int(v), 6)
+            if v > 0:
+                a = max(0, min(int(a), v))
+                new_reached[:min(a + 1, v)] += 1.0
+                new_hits[:a] += 1.0
+        if new_reached.any():
+            reached = chooser.decay * reached + new_reached
+            hits = chooser.decay * hits + new_hits
+        assert np.array_equal(chooser.reached, reached)
+        assert np.array_equal(chooser.accepted, hits)
+        a, b, v = rng.uniform(0.001, 0.05), rng.uniform(1e-5, 3e-3), rng.uniform(0, 0.01)
+        q = np.cumprod(hits / np.maximum(reached, 1e-12))[None, :]
+        want = uniform_step_k(np.broadcast_to(q, (batch, 6)), np.ones((batch, 6), bool), a, b,
+                              v)[0]
+        assert _uniform_k(chooser.accepted, chooser.reached, batch, a, b, v) == want
+        wanted.add(want)
+    assert len(wanted) >= 3  # the steps tell ks apart

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from vllm_plugins.proposers.draft_length.goodput import uniform_step_k
 from vllm_plugins.proposers.draft_length.step_cost import StepCostModel
+from vllm_plugins.proposers.jit import cached_njit
 
 
 class BatchStepK:
@@ -57,22 +57,11 @@ class BatchStepK:
                 step_seconds: float | None, tokens: int) -> None:
         """One step: per request, drafts verified and accepted; the step's
         seconds (None: not a step to time) and scheduled tokens."""
-        reached = np.zeros(self.max_k)
-        hits = np.zeros(self.max_k)
-        for v, a in zip(verified, accepted):
-            v = min(int(v), self.max_k)
-            if v <= 0:
-                continue
-            a = max(0, min(int(a), v))
-            reached[:min(a + 1, v)] += 1.0
-            hits[:a] += 1.0
-        if reached.any():
-            self.reached = self.decay * self.reached + reached
-            self.accepted = self.decay * self.accepted + hits
+        verifies = _count(np.asarray(verified, np.int64), np.asarray(accepted, np.int64),
+                          self.decay, self.reached, self.accepted)
         if step_seconds is not None:
-            batch = len(verified)
-            self.cost.observe(float(tokens), float(batch), float(step_seconds),
-                              verifies=any(v > 0 for v in verified))
+            self.cost.observe(float(tokens), float(len(verified)), float(step_seconds),
+                              verifies=verifies)
 
     def acceptance(self) -> np.ndarray:
         """P(draft j accepted | drafts before it accepted), per position."""
@@ -86,10 +75,7 @@ class BatchStepK:
             k = int(self.rng.integers(0, self.max_k + 1))
         else:
             a, b = self.cost.line(batch)
-            q = np.cumprod(self.acceptance())[None, :]
-            k = uniform_step_k(np.broadcast_to(q, (batch, self.max_k)),
-                               np.ones((batch, self.max_k), dtype=bool), a, b,
-                               self.cost.verify_step_s)[0]
+            k = _uniform_k(self.accepted, self.reached, batch, a, b, self.cost.verify_step_s)
         if k == 0:
             self._zero_run += 1
             if self._zero_run >= self._ZERO_PROBE_GAP:
@@ -101,3 +87,56 @@ class BatchStepK:
         self.k = k
         self.hist[k] += 1
         return k
+
+
+# The engine core runs these every step, between its other work: as numpy
+# they were a dozen small array calls (and a [batch, k] broadcast) whose
+# dispatch was most of the engine core's time of ours.
+
+@cached_njit
+def _count(verified, accepted, decay, reached, hits):
+    """The step's per-position reaches and acceptances into the decayed
+    counts (in place; unchanged where no request verified a draft).
+    Returns whether any request verified a draft."""
+    width = reached.shape[0]
+    new_reached = np.zeros(width)
+    new_hits = np.zeros(width)
+    verifies = False
+    for i in range(verified.shape[0]):
+        v = min(verified[i], width)
+        if v <= 0:
+            continue
+        verifies = True
+        a = max(0, min(accepted[i], v))
+        for j in range(min(a + 1, v)):
+            new_reached[j] += 1.0
+        for j in range(a):
+            new_hits[j] += 1.0
+    if verifies:
+        for j in range(width):
+            reached[j] = decay * reached[j] + new_reached[j]
+            hits[j] = decay * hits[j] + new_hits[j]
+    return verifies
+
+
+@cached_njit
+def _uniform_k(hits, reached, batch, intercept, slope, verify_step_s):
+    """``goodput.uniform_step_k`` for ``batch`` rows that share one
+    acceptance curve (cumulative products of hits / reached), with the
+    same sums in the same order, so the same k."""
+    width = hits.shape[0]
+    reach = 1.0
+    total = 0.0
+    best_k = 0
+    best = batch / max(intercept + slope * batch, 1e-300)
+    for k in range(1, width + 1):
+        reach *= hits[k - 1] / max(reached[k - 1], 1e-12)
+        row_sum = 0.0
+        for _ in range(batch):
+            row_sum += reach
+        total += row_sum
+        goodput = (total + batch) / max(intercept + slope * batch * (1 + k) + verify_step_s,
+                                        1e-300)
+        if goodput > best:
+            best, best_k = goodput, k
+    return best_k
