@@ -108,7 +108,7 @@ class DeviceRecyclingTables:
         # On a CPU the device route's step is one compiled call
         # (``token_recycling_device_compiled``); False keeps its torch twin.
         self.compile_on_cpu = compiled
-        self._compiled_constants = None
+        self._compiled_arrays = None
         # Constants and scratch of a step, per batch shape (``per_shape``).
         self._shapes: OrderedDict = OrderedDict()
         dev, i64 = self.device, torch.int64
@@ -146,12 +146,15 @@ class DeviceRecyclingTables:
         """Whether the device route's step runs compiled: tables on a CPU."""
         return self.compile_on_cpu and self.device.type == "cpu"
 
-    def compiled_constants(self):
-        """(powers, modulus, offset) as numpy arrays, for the compiled step."""
-        if self._compiled_constants is None:
-            self._compiled_constants = tuple(x.numpy() for x in (self.powers, self.modulus,
-                                                                 self.offset))
-        return self._compiled_constants
+    def compiled_arrays(self):
+        """(kt, lp, hist1, constants) as numpy arrays sharing the tables'
+        memory, for the compiled step; constants [3, O]: the powers, the
+        moduli and the offsets. Kept until the tables move or resize."""
+        if self._compiled_arrays is None:
+            constants = torch.stack((self.powers, self.modulus, self.offset)).numpy()
+            self._compiled_arrays = (self.kt.numpy(), self.lp.numpy(), self.hist1.numpy(),
+                                     constants)
+        return self._compiled_arrays
 
     def nbytes(self) -> int:
         return sum(getattr(self, n).numel() * getattr(self, n).element_size()
@@ -164,7 +167,7 @@ class DeviceRecyclingTables:
             setattr(self, n, getattr(self, n).to(self.device))
         self._columns()
         self._shapes.clear()
-        self._compiled_constants = None
+        self._compiled_arrays = None
 
     def resize_slots(self, max_slots: int) -> None:
         """Room for ``max_slots`` request slots, histories kept (eager; the
@@ -174,6 +177,7 @@ class DeviceRecyclingTables:
         keep = min(max_slots, self.max_slots)
         hist1[:keep] = self.hist1[:keep]
         self.hist1, self.max_slots = hist1, max_slots
+        self._compiled_arrays = None
 
     def next_token(self, tokens: torch.Tensor) -> torch.Tensor:
         """The matrix's top-1 after each of ``tokens`` (-1: none); for tests

@@ -30,12 +30,13 @@ from vllm_plugins.proposers.jit import cached_njit
 
 
 @cached_njit
-def _step(kt, lp, hist1, powers, modulus, offset, prime, min_confidence,
-          slots, cu_num_logits, verified_inputs, top1_ids, top1_logprobs, num_sampled,
-          last_tokens, num_rows, drafts):
+def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
+          verified_inputs, top1_ids, top1_logprobs, num_sampled, last_tokens, drafts):
     """learn (every request's verified rows, request by request, row by
     row, order by order: the torch route's write order) then, from each
     request's moved history, its chain into ``drafts`` [R, k]."""
+    powers, modulus, offset = constants[0], constants[1], constants[2]
+    num_rows = verified_inputs.shape[0]
     r_count, k = drafts.shape
     o = powers.shape[0]
     h = o - 1
@@ -132,11 +133,10 @@ def compiled_step(tables, slots: torch.Tensor, cu_num_logits: torch.Tensor,
     drafts = torch.empty(slots.shape[0], max(num_tokens, 0), dtype=torch.int64)
     if top1_logprobs.dtype != tables.lp.dtype:
         top1_logprobs = top1_logprobs.to(tables.lp.dtype)
-    c = tables.compiled_constants()
-    _step(tables.kt.numpy(), tables.lp.numpy(), tables.hist1.numpy(), c[0], c[1], c[2],
-          tables.prime, tables.min_confidence, slots.numpy(), cu_num_logits.numpy(),
-          _flat(verified_inputs), _flat(top1_ids), _flat(top1_logprobs), num_sampled.numpy(),
-          last_tokens.numpy(), verified_inputs.shape[0], drafts.numpy())
+    kt, lp, hist1, constants = tables.compiled_arrays()
+    _step(kt, lp, hist1, constants, tables.prime, tables.min_confidence, slots.numpy(),
+          cu_num_logits.numpy(), verified_inputs.numpy(), _flat(top1_ids),
+          _flat(top1_logprobs), num_sampled.numpy(), last_tokens.numpy(), drafts.numpy())
     return drafts
 
 

@@ -1,7 +1,8 @@
 """The device route's compiled CPU step against its torch twin: on random
 steps (requests in random slots, rows of every count, prefill chunks that
 sampled nothing, colliding contexts, keys that wrap), the same tables, the
-same histories and the same drafts, step after step."""
+same histories and the same drafts, step after step, across a resize of
+the history rows."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def test_the_compiled_step_is_its_torch_twin(order, context_slots, min_confidenc
     assert compiled.compiled and not twin.compiled
     drafters = [DeviceRecyclingDrafter(t, seed_from_prompt=True) for t in (twin, compiled)]
     drafted = 0
-    for _ in range(60):
+    for i in range(60):
+        if i == 30:  # new history rows: the compiled step must see them
+            for t in (twin, compiled):
+                t.resize_slots(MAX_SLOTS + 3)
         step = _random_step(rng, k, ids_dtype, new_every=0.2)
         want, got = (d.device_step(step) for d in drafters)
         assert got.dtype == torch.int64 and got.shape == want.shape

@@ -255,13 +255,21 @@ def wrap_sample_tokens(original):
     return sample_tokens
 
 
+@functools.cache
+def _output_types():
+    """(ModelRunnerOutput, EMPTY_MODEL_RUNNER_OUTPUT), imported once: this
+    runs every step."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+    return ModelRunnerOutput, EMPTY_MODEL_RUNNER_OUTPUT
+
+
 def attach_to_output(out: Any, reports: dict[str, dict]) -> None:
     """Merge each {attribute: {key: value}} into the step's output (a
     ModelRunnerOutput now, or an async one when it is read)."""
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
-    if isinstance(out, ModelRunnerOutput):
-        if out is EMPTY_MODEL_RUNNER_OUTPUT:
+    output_type, empty = _output_types()
+    if isinstance(out, output_type):
+        if out is empty:
             return  # nothing was sampled: no request of this step to report
         for attr, values in reports.items():
             if values:

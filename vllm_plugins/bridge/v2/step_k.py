@@ -113,15 +113,23 @@ def wrap_sample_tokens(original):
     @functools.wraps(original)
     def sample_tokens(self, grammar_output, *args, **kwargs):
         out = original(self, grammar_output, *args, **kwargs)
-        from vllm_plugins.bridge.v2.drafter_base import V2Drafter
-
+        drafter, attach_to_output = _imports()
         speculator = getattr(self, "speculator", None)
-        if isinstance(speculator, V2Drafter):
+        if isinstance(speculator, drafter):
             report = speculator.step_k_report()
             if report is not None:
-                from vllm_plugins.bridge.grammar_hold import attach_to_output
-
                 attach_to_output(out, {OUTPUT_ATTR: report})
         return out
 
     return sample_tokens
+
+
+@functools.cache
+def _imports():
+    """(V2Drafter, attach_to_output), imported at the first step (they
+    import this module) and kept: an import statement is code run again at
+    every call."""
+    from vllm_plugins.bridge.grammar_hold import attach_to_output
+    from vllm_plugins.bridge.v2.drafter_base import V2Drafter
+
+    return V2Drafter, attach_to_output
