@@ -31,12 +31,13 @@ from vllm_plugins.proposers.jit import cached_njit
 
 @cached_njit
 def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
-          verified_inputs, top1_ids, top1_logprobs, num_sampled, last_tokens, drafts):
+          input_ids, logits_indices, top1_ids, top1_logprobs, num_sampled, last_sampled,
+          drafts):
     """learn (every request's verified rows, request by request, row by
     row, order by order: the torch route's write order) then, from each
     request's moved history, its chain into ``drafts`` [R, k]."""
     powers, modulus, offset = constants[0], constants[1], constants[2]
-    num_rows = verified_inputs.shape[0]
+    num_rows = logits_indices.shape[0]
     r_count, k = drafts.shape
     o = powers.shape[0]
     h = o - 1
@@ -52,7 +53,7 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
         for t in range(h):
             seq[t] = hist1[slot, t]
         for j in range(rows):
-            seq[h + j] = verified_inputs[start + j] + 1
+            seq[h + j] = input_ids[logits_indices[start + j]] + 1
         for j in range(rows):
             tok1 = top1_ids[start + j] + 1
             logp = top1_logprobs[start + j]
@@ -71,7 +72,7 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
         slot = slots[r]
         start = cu_num_logits[r]
         shift = num_sampled[r] if num_sampled[r] > 0 else 0
-        newest1 = last_tokens[r] + 1
+        newest1 = last_sampled[slot] + 1
         for t in range(h):
             if shift == 0:
                 window[t] = hist1[slot, t]
@@ -81,7 +82,7 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
                 # seq[t + shift]: a verified row's input (rows past the
                 # step's logits clamp to its last, as the twin's do).
                 row = min(start + t + shift - h, num_rows - 1)
-                window[t] = verified_inputs[row] + 1
+                window[t] = input_ids[logits_indices[row]] + 1
         window[h] = newest1
         for t in range(h):
             hist1[slot, t] = window[t]
@@ -122,21 +123,19 @@ def _flat(x: torch.Tensor) -> np.ndarray:
     return x.numpy().reshape(-1)
 
 
-def compiled_step(tables, slots: torch.Tensor, cu_num_logits: torch.Tensor,
-                  verified_inputs: torch.Tensor, top1_ids: torch.Tensor,
-                  top1_logprobs: torch.Tensor, num_sampled: torch.Tensor,
-                  last_tokens: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``DeviceRecyclingTables``' learn then draft for the step's requests
-    (distinct slots; the inputs as ``DeviceStep`` holds them, CPU tensors):
-    drafts [R, num_tokens] int64, padded with the request's newest token
-    where the chain stops."""
-    drafts = torch.empty(slots.shape[0], max(num_tokens, 0), dtype=torch.int64)
-    if top1_logprobs.dtype != tables.lp.dtype:
-        top1_logprobs = top1_logprobs.to(tables.lp.dtype)
+def compiled_step(tables, step) -> torch.Tensor:
+    """``DeviceRecyclingTables``' learn then draft for a ``DeviceStep``
+    (its requests in distinct slots, CPU tensors): drafts [R, num_tokens]
+    int64, padded with the request's newest token where the chain stops."""
+    drafts = torch.empty(step.slots.shape[0], max(step.num_tokens, 0), dtype=torch.int64)
+    lps = step.top1_logprobs
+    if lps.dtype != tables.lp.dtype:
+        lps = lps.to(tables.lp.dtype)
     kt, lp, hist1, constants = tables.compiled_arrays()
-    _step(kt, lp, hist1, constants, tables.prime, tables.min_confidence, slots.numpy(),
-          cu_num_logits.numpy(), verified_inputs.numpy(), _flat(top1_ids),
-          _flat(top1_logprobs), num_sampled.numpy(), last_tokens.numpy(), drafts.numpy())
+    _step(kt, lp, hist1, constants, tables.prime, tables.min_confidence, step.slots.numpy(),
+          step.cu_num_logits.numpy(), step.input_ids.numpy(), step.logits_indices.numpy(),
+          _flat(step.top1_ids), _flat(lps), step.num_sampled.numpy(),
+          _flat(step.last_sampled), drafts.numpy())
     return drafts
 
 
@@ -145,10 +144,13 @@ def warm_up() -> None:
     hands it (int32 ids and counts, int64 slots), before any engine step."""
     from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
 
+    from vllm_plugins.drafter import DeviceStep
+
     for order in (1, 3):
         t = DeviceRecyclingTables(16, order, 8, 2, 0.02, "cpu")
         for ids in (torch.int32, torch.int64):
-            compiled_step(t, torch.tensor([0]), torch.tensor([0, 2], dtype=torch.int32),
-                          torch.tensor([1, 2], dtype=ids), torch.tensor([[2], [3]]),
-                          torch.tensor([[-0.1], [-0.1]]), torch.tensor([2], dtype=torch.int32),
-                          torch.tensor([3]), 2)
+            compiled_step(t, DeviceStep(
+                torch.tensor([0]), torch.tensor([0, 2], dtype=torch.int32),
+                torch.tensor([1, 2], dtype=ids), torch.tensor([0, 1], dtype=ids),
+                torch.tensor([[2], [3]]), torch.tensor([[-0.1], [-0.1]]),
+                torch.tensor([2], dtype=torch.int32), torch.tensor([[3], [4]]), 2))

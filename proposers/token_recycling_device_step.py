@@ -58,16 +58,14 @@ class DeviceRecyclingDrafter(DeviceDrafter):
             # the tables (entries the target has not filled).
             t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
         if t.compiled:
-            return compiled_step(t, step.slots, step.cu_num_logits, step.verified_inputs,
-                                 step.top1_ids, step.top1_logprobs, step.num_sampled,
-                                 step.last_tokens, step.num_tokens)
+            return compiled_step(t, step)
         r, n = step.slots.shape[0], step.num_tokens + 1
         c = t.per_shape(("rows", r, n), lambda: _Rows(r, n, t.order, t.device))
         rows, valid = verified_rows(step.cu_num_logits, step.num_sampled, c.cols,
-                                    step.verified_inputs.shape[0], out=c.rows)
+                                    step.logits_indices.shape[0], out=c.rows)
         # A request samples at most one token a logits row: its history
         # moves on by num_sampled, 0 where it verified nothing.
         return t.learn_and_draft(
-            step.slots, step.verified_inputs.take(c.first), step.top1_ids.take(rows),
-            step.top1_logprobs.take(rows), valid, step.num_sampled, step.last_tokens,
-            step.num_tokens)
+            step.slots, step.input_ids.index_select(0, step.logits_indices).take(c.first),
+            step.top1_ids.take(rows), step.top1_logprobs.take(rows), valid, step.num_sampled,
+            step.last_sampled.take(step.slots), step.num_tokens)

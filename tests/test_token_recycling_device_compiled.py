@@ -28,8 +28,13 @@ def _random_step(rng, k, ids_dtype, new_every):
     top1 = torch.tensor(rng.integers(0, 6, (rows, 1)), dtype=torch.int64)
     lps = torch.tensor(-rng.exponential(0.4, (rows, 1)), dtype=torch.float32)
     sampled = torch.tensor([int(rng.integers(0, c + 1)) for c in counts], dtype=torch.int32)
-    last = torch.tensor(rng.integers(0, 6, r), dtype=torch.int64)
-    step = DeviceStep(slots, cu, inputs, top1, lps, sampled, last, k)
+    # V2's layout: the rows' inputs at logits_indices among more input ids,
+    # the newest tokens by state row.
+    input_ids = torch.tensor(rng.integers(0, 6, rows + 5), dtype=ids_dtype)
+    positions = torch.tensor(rng.permutation(rows + 5)[:rows], dtype=ids_dtype)
+    input_ids[positions.long()] = inputs
+    last_sampled = torch.tensor(rng.integers(0, 6, (MAX_SLOTS + 3, 1)), dtype=torch.int64)
+    step = DeviceStep(slots, cu, input_ids, positions, top1, lps, sampled, last_sampled, k)
     if rng.random() < new_every:
         new = slots[:int(rng.integers(1, r + 1))]
         width = int(rng.integers(1, 9))
@@ -64,7 +69,7 @@ def test_the_compiled_step_is_its_torch_twin(order, context_slots, min_confidenc
         assert torch.equal(compiled.kt[:-1], twin.kt[:-1])
         assert torch.equal(compiled.lp[:-1], twin.lp[:-1])
         assert torch.equal(compiled.hist1[:-1], twin.hist1[:-1])
-        drafted += int((got != step.last_tokens.unsqueeze(1)).sum())
+        drafted += int((got != step.last_sampled[step.slots]).sum())
     assert drafted > 50  # the chains drafted, not only padded
 
 
@@ -77,8 +82,9 @@ def test_keys_that_wrap_are_hashed_as_the_twin_hashes_them():
     tokens = torch.tensor([59000, 58000, 57000, 56000, 55000, 54000], dtype=torch.int64)
     for t in (twin, compiled):
         step = DeviceStep(torch.tensor([0]), torch.tensor([0, 6], dtype=torch.int32), tokens,
-                          torch.roll(tokens, -1).view(6, 1), torch.full((6, 1), -0.01),
-                          torch.tensor([6], dtype=torch.int32), torch.tensor([53000]), 5)
+                          torch.arange(6), torch.roll(tokens, -1).view(6, 1),
+                          torch.full((6, 1), -0.01), torch.tensor([6], dtype=torch.int32),
+                          torch.tensor([[53000], [0]]), 5)
         DeviceRecyclingDrafter(t, seed_from_prompt=False).device_step(step)
     assert (twin.kt[:-1, 0].abs() > 1 << 62).any()
     assert torch.equal(compiled.kt[:-1], twin.kt[:-1])

@@ -18,7 +18,14 @@ VOCAB, K = 64, 3
 
 
 def device_step(tables, slots, cu, inputs, top1, lps, sampled, last, k, new=None):
-    step = DeviceStep(slots, cu, inputs, top1, lps, sampled, last, k)
+    """The step as V2 hands it: the rows' inputs among the step's input ids
+    (here after two padding tokens), the newest tokens by state row."""
+    dev = inputs.device
+    input_ids = torch.cat((torch.zeros(2, dtype=inputs.dtype, device=dev), inputs))
+    positions = torch.arange(2, 2 + inputs.shape[0], device=dev)
+    last_sampled = torch.zeros(8, 1, dtype=torch.int64, device=dev)
+    last_sampled[slots, 0] = last
+    step = DeviceStep(slots, cu, input_ids, positions, top1, lps, sampled, last_sampled, k)
     if new is not None:
         step.new_slots, step.new_tokens, step.new_lengths = new
     return DeviceRecyclingDrafter(tables, seed_from_prompt=True).device_step(step)
@@ -120,13 +127,13 @@ def test_the_v2_speculator_seeds_requests_new_to_their_row():
     spec.req_states = SimpleNamespace(prefill_len=SimpleNamespace(np=np.array([3, 0, 5, 0, 6])),
                                       all_token_ids=SimpleNamespace(gpu=tokens))
     batch = SimpleNamespace(idx_mapping_np=np.array([4, 0, 2], np.intp), req_ids=["a", "b", "c"])
-    step = Step(*[None] * 7, num_tokens=K)
+    step = Step(*[None] * 8, num_tokens=K)
     spec._add_new_requests(step, batch, 3)
     assert step.new_slots.tolist() == [0, 2]
     assert step.new_lengths.tolist() == [3, 5]
     assert step.new_tokens.dtype == torch.int64
     assert step.new_tokens.tolist() == [[0, 1, 2, 3, 4], [16, 17, 18, 19, 20]]
     assert spec._seeded == {4: "a", 0: "b", 2: "c"}
-    again = Step(*[None] * 7, num_tokens=K)
+    again = Step(*[None] * 8, num_tokens=K)
     spec._add_new_requests(again, batch, 3)
     assert again.new_slots is None

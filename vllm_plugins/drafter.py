@@ -97,17 +97,21 @@ class DeviceStep:
     # (the row after the request's newest token before this step's drafts,
     # then one per draft).
     cu_num_logits: Any
-    # [rows] int32 or int64: the input token at each logits row; [rows, 1]
-    # int64 and float32: the target's top-1 after it and its log-probability
-    # (read flat, with ``take``).
-    verified_inputs: Any
+    # The step's input tokens [tokens] int32 or int64, and [rows] the input
+    # position of each logits row: row i's input token is
+    # input_ids[logits_indices[i]] (V2's own tensors, read where they are).
+    input_ids: Any
+    logits_indices: Any
+    # [rows, 1] int64 and float32: the target's top-1 after each row's input
+    # and its log-probability (read flat, with ``take``).
     top1_ids: Any
     top1_logprobs: Any
     # [R]: tokens each request emitted this step (0: a prefill chunk), at
     # most one a logits row.
     num_sampled: Any
-    # [R] int64: each request's newest token.
-    last_tokens: Any
+    # [slots, 1] int64, contiguous: each slot's newest token (V2's
+    # ``last_sampled_tokens``), read at ``slots``.
+    last_sampled: Any
     # Drafts a request, the step's k.
     num_tokens: int
     # Requests new to their slot this step: their slots [n], tokens so far

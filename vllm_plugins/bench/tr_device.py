@@ -166,8 +166,10 @@ def _time_route(t, s, args, device) -> tuple[float, int]:
     drafter = DeviceRecyclingDrafter(t, seed_from_prompt=True)
     r, n = s.slots.shape[0], args.draft + 1
     cu = torch.arange(0, r * n + 1, n, dtype=torch.int32, device=device)
-    steps = [DeviceStep(s.slots, cu, verified.view(-1).int(), ids[:, :, :1].reshape(-1, 1),
-                        lps[:, :, :1].reshape(-1, 1), (na + 1).int(), last, args.draft)
+    positions = torch.arange(r * n, dtype=torch.int32, device=device)
+    steps = [DeviceStep(s.slots, cu, verified.view(-1).int(), positions,
+                        ids[:, :, :1].reshape(-1, 1), lps[:, :, :1].reshape(-1, 1),
+                        (na + 1).int(), last.view(-1, 1), args.draft)
              for verified, ids, lps, _, na, last in s.inputs]
     sweep = torch.zeros(16 << 20, device=device) if args.cool else None
     with _NoSyncs(device):

@@ -41,7 +41,7 @@ class DeviceSpeculator(V2Drafter):
         self._seeded: dict[int, str] = {}  # state row -> the request seeded there
         self._top1: tuple[torch.Tensor, torch.Tensor] | None = None
         # V2's last_sampled_tokens (one tensor for the runner's life) and
-        # how the step reads it (``_newest``), decided once.
+        # whether the step reads it as it is (``_slot_column``), decided once.
         self._last_sampled: tuple[torch.Tensor, bool] | None = None
         self._engine_core_k = self.steers_step_k and isinstance(proposer.controller,
                                                                 GoodputController)
@@ -67,28 +67,27 @@ class DeviceSpeculator(V2Drafter):
             return torch.zeros(num_reqs, self.num_speculative_steps, dtype=torch.int64,
                                device=self.device)
         self.state.counters.steps += 1
-        slots = _first(input_batch.idx_mapping, num_reqs)
         step = DeviceStep(
-            slots=slots,
+            slots=_first(input_batch.idx_mapping, num_reqs),
             cu_num_logits=_first(input_batch.cu_num_logits, num_reqs + 1),
-            verified_inputs=input_batch.input_ids.index_select(0, input_batch.logits_indices),
+            input_ids=input_batch.input_ids, logits_indices=input_batch.logits_indices,
             top1_ids=top1[0], top1_logprobs=top1[1],
             num_sampled=_first(num_sampled, num_reqs),
-            last_tokens=self._newest(last_sampled, slots),
+            last_sampled=self._slot_column(last_sampled),
             num_tokens=self.num_speculative_steps)
         self._add_new_requests(step, input_batch, num_reqs)
         return self.drafter.device_step(step)
 
-    def _newest(self, last_sampled: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """[R] int64: each slot's last sampled token (V2's
-        ``last_sampled_tokens`` [max_num_reqs, 1] int64: one ``take``)."""
+    def _slot_column(self, last_sampled: torch.Tensor) -> torch.Tensor:
+        """V2's ``last_sampled_tokens`` as ``DeviceStep.last_sampled``
+        wants it ([slots, 1] int64, contiguous): itself, as V2 keeps it (one
+        tensor for the runner's life, checked once), else a copy."""
         seen = self._last_sampled
         if seen is None or seen[0] is not last_sampled:
-            seen = self._last_sampled = (last_sampled, _flat_int64(last_sampled))
-        if seen[1] and slots.dtype == torch.int64:
-            return last_sampled.take(slots)
-        newest = last_sampled[slots, 0]
-        return newest if newest.dtype == torch.int64 else newest.to(torch.int64)
+            seen = self._last_sampled = (last_sampled, _slot_column_already(last_sampled))
+        if seen[1]:
+            return last_sampled
+        return last_sampled.reshape(last_sampled.shape[0], -1)[:, :1].to(torch.int64).contiguous()
 
     def _add_new_requests(self, step: DeviceStep, input_batch, num_reqs: int) -> None:
         """Host work per request, a dict look-up each (the state rows as
@@ -115,8 +114,8 @@ def _first(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[0] == n else x[:n]
 
 
-def _flat_int64(last_sampled: torch.Tensor) -> bool:
-    """Whether ``take`` at a slot reads its last sampled token: one int64
-    column, contiguous."""
+def _slot_column_already(last_sampled: torch.Tensor) -> bool:
+    """Whether V2's last sampled tokens already are one int64 column,
+    contiguous."""
     return (last_sampled.dim() == 2 and last_sampled.shape[1] == 1
             and last_sampled.is_contiguous() and last_sampled.dtype == torch.int64)
