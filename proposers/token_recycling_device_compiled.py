@@ -55,8 +55,8 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
         for j in range(rows):
             seq[h + j] = input_ids[logits_indices[start + j]] + 1
         for j in range(rows):
-            tok1 = top1_ids[start + j] + 1
-            logp = top1_logprobs[start + j]
+            tok1 = top1_ids[start + j, 0] + 1
+            logp = top1_logprobs[start + j, 0]
             key = np.int64(0)
             for m in range(o):
                 key += seq[h + j - m] * powers[m]
@@ -72,7 +72,7 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
         slot = slots[r]
         start = cu_num_logits[r]
         shift = num_sampled[r] if num_sampled[r] > 0 else 0
-        newest1 = last_sampled[slot] + 1
+        newest1 = last_sampled[slot, 0] + 1
         for t in range(h):
             if shift == 0:
                 window[t] = hist1[slot, t]
@@ -119,10 +119,6 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
             keys[o - 1] = tok
 
 
-def _flat(x: torch.Tensor) -> np.ndarray:
-    return x.numpy().reshape(-1)
-
-
 def compiled_step(tables, step) -> torch.Tensor:
     """``DeviceRecyclingTables``' learn then draft for a ``DeviceStep``
     (its requests in distinct slots, CPU tensors): drafts [R, num_tokens]
@@ -132,10 +128,13 @@ def compiled_step(tables, step) -> torch.Tensor:
     if lps.dtype != tables.lp.dtype:
         lps = lps.to(tables.lp.dtype)
     kt, lp, hist1, constants = tables.compiled_arrays()
+    # Each call here costs a step more than the loop's own work once a
+    # forward has evicted it: the [rows, 1] and [slots, 1] columns are read
+    # as they are, not flattened first.
     _step(kt, lp, hist1, constants, tables.prime, tables.min_confidence, step.slots.numpy(),
           step.cu_num_logits.numpy(), step.input_ids.numpy(), step.logits_indices.numpy(),
-          _flat(step.top1_ids), _flat(lps), step.num_sampled.numpy(),
-          _flat(step.last_sampled), drafts.numpy())
+          step.top1_ids.numpy(), lps.numpy(), step.num_sampled.numpy(),
+          step.last_sampled.numpy(), drafts.numpy())
     return drafts
 
 

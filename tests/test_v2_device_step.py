@@ -38,8 +38,8 @@ def step_inputs(device, num_reqs):
     cu = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
     rows = int(cu[-1])
     inputs = torch.arange(rows, dtype=torch.int64) + 5
-    top1 = (inputs + 1) % VOCAB
-    lps = torch.full((rows,), -0.1)
+    top1 = ((inputs + 1) % VOCAB).view(rows, 1)
+    lps = torch.full((rows, 1), -0.1)
     sampled = torch.tensor([2, 1, 0][:num_reqs], dtype=torch.int32)
     last = torch.tensor([7, 9, 11][:num_reqs], dtype=torch.int64)
     slots = torch.tensor([4, 0, 2][:num_reqs], dtype=torch.int64)
