@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from vllm_plugins.proposers.jit import cached_njit
+from vllm_plugins.drafter import DeviceStep
+from vllm_plugins.proposers.token_recycling_device import SEED_LOGP, DeviceRecyclingTables
 
 
 @cached_njit
@@ -119,6 +121,82 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
             keys[o - 1] = tok
 
 
+@cached_njit
+def _seed(kt, lp, hist1, constants, seed_logp, slots, tokens, lengths, tables, vocab_size,
+          context_slots):
+    """``DeviceRecyclingTables.seed``, sequentially (the matrix's entries
+    start at ``context_slots``): the histories; with
+    ``tables`` the matrix entries empty before the call (across requests
+    the first request, within one its last occurrence wins), then the
+    contexts whose key the table does not hold before the call, each
+    context's first occurrence, the last of those to a slot winning."""
+    r_count, p = tokens.shape
+    powers = constants[0]
+    o = powers.shape[0]
+    h = o - 1
+    trash = kt.shape[0] - 1
+    for i in range(r_count):
+        for t in range(h):
+            pos = lengths[i] - 1 - h + t
+            hist1[slots[i], t] = tokens[i, max(pos, 0)] + 1 if pos >= 0 else 0
+    if not tables or p < 2:
+        return
+    # Matrix: the latest request first, so that the earliest writes last;
+    # "empty before the call" for an entry this call already wrote.
+    matrix_written = dict()
+    matrix_written[np.int64(-1)] = True
+    for i in range(r_count - 1, -1, -1):
+        for c in range(1, min(lengths[i], p)):
+            prev = min(max(tokens[i, c - 1], 0), vocab_size)
+            entry = prev + context_slots
+            if entry == trash:
+                continue
+            if kt[entry, 1] != 0 and entry not in matrix_written:
+                continue
+            matrix_written[entry] = True
+            kt[entry, 0] = prev + 1
+            kt[entry, 1] = tokens[i, c] + 1
+            lp[entry] = seed_logp
+    if o < 2 or p < 3:
+        return
+    # Contexts of orders 2..o ending before token e, in (request, e, order)
+    # order: a key's first valid occurrence, into a slot whose key before
+    # the call differs; the last such write to a slot wins.
+    seen = dict()
+    seen[np.int64(0)] = True
+    del seen[np.int64(0)]
+    before = dict()
+    before[np.int64(-1)] = np.int64(0)
+    for i in range(r_count):
+        for e in range(2, p):
+            if e >= lengths[i]:
+                continue
+            key = np.int64(tokens[i, e - 1] + 1)
+            for m in range(2, o + 1):
+                back = e - m
+                key += (tokens[i, back] + 1 if back >= 0 else 0) * powers[m - 1]
+                if key in seen:
+                    continue
+                seen[key] = True
+                entry = key % context_slots
+                held = before[entry] if entry in before else kt[entry, 0]
+                if held == key:
+                    continue
+                if entry not in before:
+                    before[entry] = kt[entry, 0]
+                kt[entry, 0] = key
+                kt[entry, 1] = tokens[i, e] + 1
+                lp[entry] = seed_logp
+
+
+def compiled_seed(tables, slots: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
+                  seed_tables: bool) -> None:
+    """``DeviceRecyclingTables.seed`` for CPU tensors, one compiled call."""
+    kt, lp, hist1, constants = tables.compiled_arrays()
+    _seed(kt, lp, hist1, constants, SEED_LOGP, slots.numpy(), tokens.numpy(), lengths.numpy(),
+          seed_tables, tables.vocab_size, tables.slots)
+
+
 def compiled_step(tables, step) -> torch.Tensor:
     """``DeviceRecyclingTables``' learn then draft for a ``DeviceStep``
     (its requests in distinct slots, CPU tensors): drafts [R, num_tokens]
@@ -139,14 +217,12 @@ def compiled_step(tables, step) -> torch.Tensor:
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's cache) the step for the dtypes V2
-    hands it (int32 ids and counts, int64 slots), before any engine step."""
-    from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
-
-    from vllm_plugins.drafter import DeviceStep
-
+    """Compile (or load from numba's cache) the step and the seeding for
+    the dtypes V2 hands them (int32 ids and counts, int64 slots), before
+    any engine step."""
     for order in (1, 3):
         t = DeviceRecyclingTables(16, order, 8, 2, 0.02, "cpu")
+        compiled_seed(t, torch.tensor([0]), torch.tensor([[1, 2, 3]]), torch.tensor([3]), True)
         for ids in (torch.int32, torch.int64):
             compiled_step(t, DeviceStep(
                 torch.tensor([0]), torch.tensor([0, 2], dtype=torch.int32),

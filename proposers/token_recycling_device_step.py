@@ -14,7 +14,7 @@ import torch
 
 from vllm_plugins.drafter import DeviceDrafter, DeviceStep
 from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
-from vllm_plugins.proposers.token_recycling_device_compiled import compiled_step
+from vllm_plugins.proposers.token_recycling_device_compiled import compiled_seed, compiled_step
 
 
 def verified_rows(cu_num_logits: torch.Tensor, num_sampled: torch.Tensor,
@@ -56,7 +56,12 @@ class DeviceRecyclingDrafter(DeviceDrafter):
         if step.new_slots is not None:
             # The prefill's end is each new slot's history; its tokens seed
             # the tables (entries the target has not filled).
-            t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
+            if t.compiled:
+                compiled_seed(t, step.new_slots, step.new_tokens, step.new_lengths,
+                              self.seed_from_prompt)
+            else:
+                t.seed(step.new_slots, step.new_tokens, step.new_lengths,
+                       self.seed_from_prompt)
         if t.compiled:
             return compiled_step(t, step)
         r, n = step.slots.shape[0], step.num_tokens + 1
