@@ -200,8 +200,10 @@ def compiled_seed(tables, slots: torch.Tensor, tokens: torch.Tensor, lengths: to
 def compiled_step(tables, step) -> torch.Tensor:
     """``DeviceRecyclingTables``' learn then draft for a ``DeviceStep``
     (its requests in distinct slots, CPU tensors): drafts [R, num_tokens]
-    int64, padded with the request's newest token where the chain stops."""
-    drafts = torch.empty(step.slots.shape[0], max(step.num_tokens, 0), dtype=torch.int64)
+    int64, padded with the request's newest token where the chain stops,
+    in a buffer the next step of this shape overwrites."""
+    r, k = step.slots.shape[0], max(step.num_tokens, 0)
+    drafts, drafts_np = tables.per_shape(("drafts", r, k), lambda: _drafts_buffer(r, k))
     lps = step.top1_logprobs
     if lps.dtype != tables.lp.dtype:
         lps = lps.to(tables.lp.dtype)
@@ -212,8 +214,17 @@ def compiled_step(tables, step) -> torch.Tensor:
     _step(kt, lp, hist1, constants, tables.prime, tables.min_confidence, step.slots.numpy(),
           step.cu_num_logits.numpy(), step.input_ids.numpy(), step.logits_indices.numpy(),
           step.top1_ids.numpy(), lps.numpy(), step.num_sampled.numpy(),
-          step.last_sampled.numpy(), drafts.numpy())
+          step.last_sampled.numpy(), drafts_np)
     return drafts
+
+
+def _drafts_buffer(r: int, k: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The step's drafts, kept per shape: the runner copies a step's drafts
+    before its next step (``DeviceDrafter.device_step``), and a fresh
+    tensor costs a step more than the loop."""
+    with torch.inference_mode(False):
+        drafts = torch.zeros(r, k, dtype=torch.int64)
+    return drafts, drafts.numpy()
 
 
 def warm_up() -> None:

@@ -123,6 +123,7 @@ def test_the_v2_speculator_seeds_requests_new_to_their_row():
     spec = DeviceSpeculator.__new__(DeviceSpeculator)
     spec.device = torch.device("cpu")
     spec._seeded = {4: "a", 0: "old"}
+    spec._last_req_ids = None
     tokens = torch.arange(40, dtype=torch.int32).view(5, 8)
     spec.req_states = SimpleNamespace(prefill_len=SimpleNamespace(np=np.array([3, 0, 5, 0, 6])),
                                       all_token_ids=SimpleNamespace(gpu=tokens))
@@ -137,3 +138,22 @@ def test_the_v2_speculator_seeds_requests_new_to_their_row():
     again = Step(*[None] * 8, num_tokens=K)
     spec._add_new_requests(again, batch, 3)
     assert again.new_slots is None
+    # "b" finished and "d" took its row: only "d" is new.
+    batch.req_ids = ["a", "d", "c"]
+    later = Step(*[None] * 8, num_tokens=K)
+    spec._add_new_requests(later, batch, 3)
+    assert later.new_slots.tolist() == [0]
+
+
+def test_v2_copies_a_steps_drafts_before_its_next_step():
+    """The compiled step returns a buffer it reuses for the next step of its
+    shape (``DeviceDrafter.device_step``): V2 copies the drafts into its
+    request states right after ``propose``."""
+    import inspect
+
+    from vllm.v1.worker.gpu import model_runner
+
+    source = inspect.getsource(model_runner.GPUModelRunner)
+    after = source.split("draft_tokens = self.speculator.propose(", 1)[1]
+    copy = "self.req_states.draft_tokens[input_batch.idx_mapping] = draft_tokens"
+    assert copy in after.split("def ", 1)[0]

@@ -127,4 +127,6 @@ class DeviceDrafter(ABC):
     @abstractmethod
     def device_step(self, step: DeviceStep) -> Any:
         """Learn the step's verified rows and draft: ``[R, num_tokens]``
-        int64, every entry a token id (V2 verifies k tokens a request)."""
+        int64, every entry a token id (V2 verifies k tokens a request). The
+        runner copies them before its next step (V2 into its request
+        states), so a drafter may return a buffer it reuses."""

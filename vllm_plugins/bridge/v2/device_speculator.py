@@ -39,6 +39,7 @@ class DeviceSpeculator(V2Drafter):
         super().__init__(vllm_config, device, req_states, proposer)
         self.drafter = proposer.device_drafter()
         self._seeded: dict[int, str] = {}  # state row -> the request seeded there
+        self._last_req_ids: list[str] | None = None
         self._top1: tuple[torch.Tensor, torch.Tensor] | None = None
         # V2's last_sampled_tokens (one tensor for the runner's life) and
         # whether the step reads it as it is (``_slot_column``), decided once.
@@ -91,7 +92,12 @@ class DeviceSpeculator(V2Drafter):
 
     def _add_new_requests(self, step: DeviceStep, input_batch, num_reqs: int) -> None:
         """Host work per request, a dict look-up each (the state rows as
-        Python ints once)."""
+        Python ints once); none where the step's requests are the last
+        step's (a request keeps its state row for its life)."""
+        req_ids = input_batch.req_ids
+        if req_ids == self._last_req_ids:
+            return
+        self._last_req_ids = list(req_ids)
         seeded = self._seeded
         pairs = zip(input_batch.idx_mapping_np[:num_reqs].tolist(), input_batch.req_ids)
         new = [(row, req_id) for row, req_id in pairs if seeded.get(row) != req_id]
