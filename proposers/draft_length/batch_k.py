@@ -14,6 +14,7 @@ No draft confidences and no per-request rows: the k is the batch's.
 
 from __future__ import annotations
 
+import random
 from typing import Sequence
 
 import numpy as np
@@ -47,7 +48,8 @@ class BatchStepK:
         self.accepted = np.full(self.max_k, prior_steps * prior_accept)
         self.warmup_explore = warmup_explore
         self.explore = explore
-        self.rng = np.random.default_rng(seed)
+        # Python's generator: a draw costs the engine core less than numpy's.
+        self.rng = random.Random(seed)
         self.k = self.max_k
         self.hist = np.zeros(self.max_k + 1, dtype=np.int64)
         self.probes = 0
@@ -57,7 +59,7 @@ class BatchStepK:
                 step_seconds: float | None, tokens: int) -> None:
         """One step: per request, drafts verified and accepted; the step's
         seconds (None: not a step to time) and scheduled tokens."""
-        verifies = _count(np.asarray(verified, np.int64), np.asarray(accepted, np.int64),
+        verifies = _count(np.array((verified, accepted), np.int64).reshape(2, -1),
                           self.decay, self.reached, self.accepted)
         if step_seconds is not None:
             self.cost.observe(float(tokens), float(len(verified)), float(step_seconds),
@@ -72,7 +74,7 @@ class BatchStepK:
         batch = max(1, int(batch))
         rate = self.explore if self.cost.warm else self.warmup_explore
         if rate > 0 and self.rng.random() < rate:
-            k = int(self.rng.integers(0, self.max_k + 1))
+            k = self.rng.randrange(self.max_k + 1)
         else:
             a, b = self.cost.line(batch)
             k = _uniform_k(self.accepted, self.reached, batch, a, b, self.cost.verify_step_s)
@@ -94,10 +96,12 @@ class BatchStepK:
 # dispatch was most of the engine core's time of ours.
 
 @cached_njit
-def _count(verified, accepted, decay, reached, hits):
-    """The step's per-position reaches and acceptances into the decayed
-    counts (in place; unchanged where no request verified a draft).
-    Returns whether any request verified a draft."""
+def _count(counts, decay, reached, hits):
+    """The step's per-position reaches and acceptances (counts [2, R]: each
+    request's verified and accepted drafts) into the decayed counts (in
+    place; unchanged where no request verified a draft). Returns whether
+    any request verified a draft."""
+    verified, accepted = counts[0], counts[1]
     width = reached.shape[0]
     new_reached = np.zeros(width)
     new_hits = np.zeros(width)

@@ -93,6 +93,14 @@ class StepCostModel:
         # tokens, batch, verifies, new_shape, tree, context
         self._x = np.zeros((cost_window, 6))
         self._y = np.zeros(cost_window)
+        # ``observe`` runs every step after a forward has evicted numpy's
+        # code: it writes through flat memoryviews of the window, and keeps
+        # the rows' verify and tree flags in bytes of its own, so that it
+        # makes no numpy call.
+        self._x_flat = memoryview(self._x).cast("B").cast("d")
+        self._y_flat = memoryview(self._y).cast("B").cast("d")
+        self._verify_flags = bytearray(cost_window)
+        self._tree_flags = bytearray(cost_window)
         self._len = 0
         self._pos = 0
         # Window rows that verified drafts, and that verified a tree.
@@ -122,15 +130,24 @@ class StepCostModel:
                 context: float = 0.0) -> None:
         if not (seconds and seconds > 0 and math.isfinite(seconds) and tokens > 0):
             return
+        pos = self._pos
+        verifies, tree = int(bool(verifies)), int(bool(tree))
         if self._len == self.window:   # the oldest row goes
-            self._verifying -= int(self._x[self._pos, 2] > 0)
-            self._trees -= int(self._x[self._pos, 4] > 0)
-        self._verifying += int(bool(verifies))
-        self._trees += int(bool(tree))
-        self._x[self._pos] = (tokens, batch, float(verifies), float(new_shape), float(tree),
-                              float(context))
-        self._y[self._pos] = seconds
-        self._pos = (self._pos + 1) % self.window
+            self._verifying -= self._verify_flags[pos]
+            self._trees -= self._tree_flags[pos]
+        self._verifying += verifies
+        self._trees += tree
+        self._verify_flags[pos] = verifies
+        self._tree_flags[pos] = tree
+        x, row = self._x_flat, 6 * pos
+        x[row] = tokens
+        x[row + 1] = batch
+        x[row + 2] = verifies
+        x[row + 3] = float(new_shape)
+        x[row + 4] = tree
+        x[row + 5] = context
+        self._y_flat[pos] = seconds
+        self._pos = (pos + 1) % self.window
         self._len = min(self._len + 1, self.window)
         self.num_observed += 1
         # A refit is due: every observation until warm, then every few.
