@@ -122,14 +122,15 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
 
 
 @cached_njit
-def _seed(kt, lp, hist1, constants, seed_logp, slots, tokens, lengths, tables, vocab_size,
-          context_slots):
+def _seed(kt, lp, hist1, marks, constants, seed_logp, slots, tokens, lengths, tables,
+          vocab_size, context_slots):
     """``DeviceRecyclingTables.seed``, sequentially (the matrix's entries
-    start at ``context_slots``): the histories; with
-    ``tables`` the matrix entries empty before the call (across requests
-    the first request, within one its last occurrence wins), then the
-    contexts whose key the table does not hold before the call, each
-    context's first occurrence, the last of those to a slot winning."""
+    start at ``context_slots``): the histories; with ``tables`` the matrix
+    entries empty before the call (across requests the first request,
+    within one its last occurrence wins), then the contexts whose key the
+    table does not hold before the call, each context's first occurrence,
+    the last of those to a slot winning. ``marks`` (the tables' ``winner``
+    scratch, -1 between calls) notes the entries this call wrote."""
     r_count, p = tokens.shape
     powers = constants[0]
     o = powers.shape[0]
@@ -142,59 +143,92 @@ def _seed(kt, lp, hist1, constants, seed_logp, slots, tokens, lengths, tables, v
     if not tables or p < 2:
         return
     # Matrix: the latest request first, so that the earliest writes last;
-    # "empty before the call" for an entry this call already wrote.
-    matrix_written = dict()
-    matrix_written[np.int64(-1)] = True
+    # "empty before the call" for an entry this call already wrote (-2).
+    written = np.empty(r_count * p, np.int64)
+    num_written = 0
     for i in range(r_count - 1, -1, -1):
         for c in range(1, min(lengths[i], p)):
             prev = min(max(tokens[i, c - 1], 0), vocab_size)
             entry = prev + context_slots
-            if entry == trash:
+            if entry == trash or (kt[entry, 1] != 0 and marks[entry] != -2):
                 continue
-            if kt[entry, 1] != 0 and entry not in matrix_written:
-                continue
-            matrix_written[entry] = True
+            if marks[entry] != -2:
+                marks[entry] = -2
+                written[num_written] = entry
+                num_written += 1
             kt[entry, 0] = prev + 1
             kt[entry, 1] = tokens[i, c] + 1
             lp[entry] = seed_logp
+    for j in range(num_written):
+        marks[written[j]] = -1
     if o < 2 or p < 3:
         return
     # Contexts of orders 2..o ending before token e, in (request, e, order)
     # order: a key's first valid occurrence, into a slot whose key before
-    # the call differs; the last such write to a slot wins.
-    seen = dict()
-    seen[np.int64(0)] = True
-    del seen[np.int64(0)]
-    before = dict()
-    before[np.int64(-1)] = np.int64(0)
+    # the call differs; the last such write to a slot wins. ``marks`` of a
+    # slot written here points at its key before the call.
+    seen_keys, seen_used, seen_shift = _key_set(r_count * p * (o - 1))
+    held_before = np.empty(r_count * p * (o - 1), np.int64)
+    touched = np.empty(r_count * p * (o - 1), np.int64)
+    num_touched = 0
     for i in range(r_count):
-        for e in range(2, p):
-            if e >= lengths[i]:
-                continue
+        for e in range(2, min(lengths[i], p)):
             key = np.int64(tokens[i, e - 1] + 1)
             for m in range(2, o + 1):
                 back = e - m
                 key += (tokens[i, back] + 1 if back >= 0 else 0) * powers[m - 1]
-                if key in seen:
+                if not _add_key(seen_keys, seen_used, seen_shift, key):
                     continue
-                seen[key] = True
                 entry = key % context_slots
-                held = before[entry] if entry in before else kt[entry, 0]
-                if held == key:
+                mark = marks[entry]
+                if (held_before[mark] if mark >= 0 else kt[entry, 0]) == key:
                     continue
-                if entry not in before:
-                    before[entry] = kt[entry, 0]
+                if mark < 0:
+                    marks[entry] = num_touched
+                    held_before[num_touched] = kt[entry, 0]
+                    touched[num_touched] = entry
+                    num_touched += 1
                 kt[entry, 0] = key
                 kt[entry, 1] = tokens[i, e] + 1
                 lp[entry] = seed_logp
+    for j in range(num_touched):
+        marks[touched[j]] = -1
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@cached_njit
+def _key_set(most):
+    """An empty set of int64 keys, open addressing, room for ``most``: its
+    slots' keys, whether each is used, and the hash's shift (numba's typed
+    dict cost the seeding of a batch of prompts most of its time)."""
+    bits = 4
+    while (1 << bits) < 2 * most:
+        bits += 1
+    return np.empty(1 << bits, np.int64), np.zeros(1 << bits, np.bool_), np.uint64(64 - bits)
+
+
+@cached_njit
+def _add_key(keys, used, shift, key):
+    """Whether ``key`` was not in the set (it is now)."""
+    mask = keys.shape[0] - 1
+    at = np.int64((np.uint64(key) * _GOLDEN) >> shift)
+    while used[at]:
+        if keys[at] == key:
+            return False
+        at = (at + 1) & mask
+    used[at] = True
+    keys[at] = key
+    return True
 
 
 def compiled_seed(tables, slots: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                   seed_tables: bool) -> None:
     """``DeviceRecyclingTables.seed`` for CPU tensors, one compiled call."""
     kt, lp, hist1, constants = tables.compiled_arrays()
-    _seed(kt, lp, hist1, constants, SEED_LOGP, slots.numpy(), tokens.numpy(), lengths.numpy(),
-          seed_tables, tables.vocab_size, tables.slots)
+    _seed(kt, lp, hist1, tables.winner.numpy(), constants, SEED_LOGP, slots.numpy(),
+          tokens.numpy(), lengths.numpy(), seed_tables, tables.vocab_size, tables.slots)
 
 
 def compiled_step(tables, step) -> torch.Tensor:

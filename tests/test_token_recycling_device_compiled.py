@@ -71,6 +71,7 @@ def test_the_compiled_step_is_its_torch_twin(order, context_slots, min_confidenc
         assert torch.equal(compiled.kt[:-1], twin.kt[:-1])
         assert torch.equal(compiled.lp[:-1], twin.lp[:-1])
         assert torch.equal(compiled.hist1[:-1], twin.hist1[:-1])
+        assert bool((compiled.winner == -1).all())  # the scratch is left clean
         drafted += int((got != step.last_sampled[step.slots]).sum())
     assert drafted > 50  # the chains drafted, not only padded
 
