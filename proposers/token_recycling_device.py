@@ -147,13 +147,13 @@ class DeviceRecyclingTables:
         return self.compile_on_cpu and self.device.type == "cpu"
 
     def compiled_arrays(self):
-        """(kt, lp, hist1, constants) as numpy arrays sharing the tables'
-        memory, for the compiled step; constants [3, O]: the powers, the
-        moduli and the offsets. Kept until the tables move or resize."""
+        """(kt, lp, hist1, winner, constants) as numpy arrays sharing the
+        tables' memory, for the compiled step; constants [3, O]: the powers,
+        the moduli and the offsets. Kept until the tables move or resize."""
         if self._compiled_arrays is None:
             constants = torch.stack((self.powers, self.modulus, self.offset)).numpy()
             self._compiled_arrays = (self.kt.numpy(), self.lp.numpy(), self.hist1.numpy(),
-                                     constants)
+                                     self.winner.numpy(), constants)
         return self._compiled_arrays
 
     def nbytes(self) -> int:

@@ -201,8 +201,8 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 @cached_njit
 def _key_set(most):
     """An empty set of int64 keys, open addressing, room for ``most``: its
-    slots' keys, whether each is used, and the hash's shift (numba's typed
-    dict cost the seeding of a batch of prompts most of its time)."""
+    slots' keys, whether each is used, and the hash's shift (a typed dict's
+    calls would be most of seeding a batch of prompts)."""
     bits = 4
     while (1 << bits) < 2 * most:
         bits += 1
@@ -226,8 +226,8 @@ def _add_key(keys, used, shift, key):
 def compiled_seed(tables, slots: torch.Tensor, tokens: torch.Tensor, lengths: torch.Tensor,
                   seed_tables: bool) -> None:
     """``DeviceRecyclingTables.seed`` for CPU tensors, one compiled call."""
-    kt, lp, hist1, constants = tables.compiled_arrays()
-    _seed(kt, lp, hist1, tables.winner.numpy(), constants, SEED_LOGP, slots.numpy(),
+    kt, lp, hist1, winner, constants = tables.compiled_arrays()
+    _seed(kt, lp, hist1, winner, constants, SEED_LOGP, slots.numpy(),
           tokens.numpy(), lengths.numpy(), seed_tables, tables.vocab_size, tables.slots)
 
 
@@ -241,7 +241,7 @@ def compiled_step(tables, step) -> torch.Tensor:
     lps = step.top1_logprobs
     if lps.dtype != tables.lp.dtype:
         lps = lps.to(tables.lp.dtype)
-    kt, lp, hist1, constants = tables.compiled_arrays()
+    kt, lp, hist1, _, constants = tables.compiled_arrays()
     # Each call here costs a step more than the loop's own work once a
     # forward has evicted it: the [rows, 1] and [slots, 1] columns are read
     # as they are, not flattened first.

@@ -53,17 +53,16 @@ class DeviceRecyclingDrafter(DeviceDrafter):
 
     def device_step(self, step: DeviceStep) -> torch.Tensor:
         t = self.tables
-        if step.new_slots is not None:
-            # The prefill's end is each new slot's history; its tokens seed
-            # the tables (entries the target has not filled).
-            if t.compiled:
+        # The prefill's end is each new slot's history; its tokens seed the
+        # tables (entries the target has not filled).
+        new = step.new_slots is not None
+        if t.compiled:
+            if new:
                 compiled_seed(t, step.new_slots, step.new_tokens, step.new_lengths,
                               self.seed_from_prompt)
-            else:
-                t.seed(step.new_slots, step.new_tokens, step.new_lengths,
-                       self.seed_from_prompt)
-        if t.compiled:
             return compiled_step(t, step)
+        if new:
+            t.seed(step.new_slots, step.new_tokens, step.new_lengths, self.seed_from_prompt)
         r, n = step.slots.shape[0], step.num_tokens + 1
         c = t.per_shape(("rows", r, n), lambda: _Rows(r, n, t.order, t.device))
         rows, valid = verified_rows(step.cu_num_logits, step.num_sampled, c.cols,

@@ -59,8 +59,8 @@ class BatchStepK:
                 step_seconds: float | None, tokens: int) -> None:
         """One step: per request, drafts verified and accepted; the step's
         seconds (None: not a step to time) and scheduled tokens."""
-        verifies = _count(np.array((verified, accepted), np.int64).reshape(2, -1),
-                          self.decay, self.reached, self.accepted)
+        verifies = _count(np.array((verified, accepted), np.int64), self.decay,
+                          self.reached, self.accepted)
         if step_seconds is not None:
             self.cost.observe(float(tokens), float(len(verified)), float(step_seconds),
                               verifies=verifies)
@@ -92,8 +92,8 @@ class BatchStepK:
 
 
 # The engine core runs these every step, between its other work: as numpy
-# they were a dozen small array calls (and a [batch, k] broadcast) whose
-# dispatch was most of the engine core's time of ours.
+# they are a dozen small array calls (and a [batch, k] broadcast) whose
+# dispatch outweighs the arithmetic.
 
 @cached_njit
 def _count(counts, decay, reached, hits):

@@ -256,7 +256,7 @@ class EstimatingController(DraftLengthController):
             return observation
         rows = observation.rows = self.slots.slots([r.req_id for r in reqs])
         # Per row: tokens emitted, drafts verified, the last token emitted (into
-        # a kept buffer: an array built from tuples cost more than the learning).
+        # a kept buffer: an array built from tuples costs more than the learning).
         batch = len(reqs)
         if len(self._info) < batch:
             self._info = np.empty((2 * batch, 3), np.int64)

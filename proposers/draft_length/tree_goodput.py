@@ -223,7 +223,7 @@ class TreeGoodputController(GoodputController):
             if cal is not None:
                 cal.learn(q_i, x_i)
             r_idx = np.empty(len(depth_j), np.int64)
-            r_idx.fill(i)   # np.full's Python layer cost more than this
+            r_idx.fill(i)   # np.full's Python layer costs more than this
             return trees, (r_idx, depth_j, conf_i, outcome_i)
         if cal is not None and read:
             cal.learn(np.concatenate([t[4] for t in read]), np.concatenate([t[5] for t in read]))

@@ -99,7 +99,7 @@ class DeviceSpeculator(V2Drafter):
             return
         self._last_req_ids = list(req_ids)
         seeded = self._seeded
-        pairs = zip(input_batch.idx_mapping_np[:num_reqs].tolist(), input_batch.req_ids)
+        pairs = zip(input_batch.idx_mapping_np[:num_reqs].tolist(), req_ids)
         new = [(row, req_id) for row, req_id in pairs if seeded.get(row) != req_id]
         if not new:
             return
