@@ -271,7 +271,7 @@ def test_the_device_check_runs_on_cpu_tensors_without_vllm(tmp_path):
     assert all(r["host_ms"] > 0 and r["topk_ms"] > 0 and "graph_ms" not in r for r in rows)
     # The device route's step: timed, and its torch calls do not grow with
     # the batch.
-    assert all(r["route_ms"] > 0 for r in rows)
+    assert all(r["route_ms"] > 0 and r["compiled_ms"] > 0 for r in rows)
     assert rows[0]["route_calls"] == rows[1]["route_calls"] > 0
 
 
