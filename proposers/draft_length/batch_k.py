@@ -43,7 +43,9 @@ class BatchStepK:
                  explore: float = 0.02, seed: int = 0):
         self.max_k = int(max_k)
         self.decay = decay
-        self.cost = StepCostModel()
+        # A sixteenth of the window moves the fit little; a refit, cold
+        # after the forward, costs the engine core about 0.1 ms.
+        self.cost = StepCostModel(refit_every=16)
         self.reached = np.full(self.max_k, prior_steps)
         self.accepted = np.full(self.max_k, prior_steps * prior_accept)
         self.warmup_explore = warmup_explore
@@ -54,13 +56,25 @@ class BatchStepK:
         self.hist = np.zeros(self.max_k + 1, dtype=np.int64)
         self.probes = 0
         self._zero_run = 0
+        # Each step's verified and accepted counts, [2, room for requests].
+        self._counts = np.zeros((2, 64), np.int64)
+        self._counts_flat = memoryview(self._counts).cast("B").cast("q")
 
     def observe(self, verified: Sequence[int], accepted: Sequence[int],
                 step_seconds: float | None, tokens: int) -> None:
         """One step: per request, drafts verified and accepted; the step's
         seconds (None: not a step to time) and scheduled tokens."""
-        verifies = _count(np.array((verified, accepted), np.int64), self.decay,
-                          self.reached, self.accepted)
+        n = len(verified)
+        if n > self._counts.shape[1]:
+            self._counts = np.zeros((2, 2 * n), np.int64)
+            self._counts_flat = memoryview(self._counts).cast("B").cast("q")
+        # Written through a flat memoryview: no numpy call, which the
+        # forward left cold, for a few ints.
+        flat, width = self._counts_flat, self._counts.shape[1]
+        for i in range(n):
+            flat[i] = verified[i]
+            flat[width + i] = accepted[i]
+        verifies = _count(self._counts, n, self.decay, self.reached, self.accepted)
         if step_seconds is not None:
             self.cost.observe(float(tokens), float(len(verified)), float(step_seconds),
                               verifies=verifies)
@@ -96,17 +110,17 @@ class BatchStepK:
 # dispatch outweighs the arithmetic.
 
 @cached_njit
-def _count(counts, decay, reached, hits):
-    """The step's per-position reaches and acceptances (counts [2, R]: each
-    request's verified and accepted drafts) into the decayed counts (in
-    place; unchanged where no request verified a draft). Returns whether
-    any request verified a draft."""
+def _count(counts, n, decay, reached, hits):
+    """The step's per-position reaches and acceptances (counts [2, >= n]:
+    the first n requests' verified and accepted drafts) into the decayed
+    counts (in place; unchanged where no request verified a draft).
+    Returns whether any request verified a draft."""
     verified, accepted = counts[0], counts[1]
     width = reached.shape[0]
     new_reached = np.zeros(width)
     new_hits = np.zeros(width)
     verifies = False
-    for i in range(verified.shape[0]):
+    for i in range(n):
         v = min(verified[i], width)
         if v <= 0:
             continue

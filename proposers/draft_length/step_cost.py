@@ -71,16 +71,18 @@ class StepCostModel:
         t ~= 1 + prior_token_cost * tokens     (unitless; nearly flat)
 
     Only ratios of times matter to the goodput rule, so the prior has no units.
-    Once warm, the fit is refreshed every 4 observations.
+    Once warm, the fit is refreshed every ``refit_every`` observations (4;
+    the engine core's ``BatchStepK`` takes 16: there a refit, cold after
+    the forward, costs more than the rest of its step).
     """
 
-    _REFIT_EVERY = 4
     _MIN_MODE_STEPS = 4
 
     def __init__(self, *, cost_features: str = "tokens+batch", cost_window: int = 256,
                  warmup: int = 16, prior_token_cost: float = 0.001,
                  verify_step_cost: bool = True, shape_cache: int = 32,
-                 tree_step_cost: bool = True, **_: Any):
+                 tree_step_cost: bool = True, refit_every: int = 4, **_: Any):
+        self.refit_every = int(refit_every)
         self.use_batch = cost_features in ("tokens+batch", "tokens+batch+context")
         self.use_context = cost_features == "tokens+batch+context"
         self.context_now = 0.0      # the step being decided: its committed tokens
@@ -152,7 +154,7 @@ class StepCostModel:
         self.num_observed += 1
         # A refit is due: every observation until warm, then every few.
         self._dirty = (not self._warm
-                       or self.num_observed - self._fitted_at >= self._REFIT_EVERY)
+                       or self.num_observed - self._fitted_at >= self.refit_every)
 
     @property
     def warm(self) -> bool:
