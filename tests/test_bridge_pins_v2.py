@@ -12,6 +12,7 @@ a vLLM release changes one of these.
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -125,25 +126,37 @@ def test_v2_hands_the_drafter_the_steps_k_and_verifies_no_more():
 
 
 def test_v2_sample_tokens_proposes_and_returns_the_steps_output():
-    """``v2.step_k_report``: the drafter has proposed (and chosen the next
-    k) before ``sample_tokens`` returns the step's output, which the
-    executor hands to the scheduler's ``update_from_output``."""
+    """``worker.step_reports`` reads the k V2's drafter wants next once the
+    runner's ``sample_tokens`` returned: V2 has proposed (and chosen the
+    next k) by then, and that output is the one the executor hands to the
+    scheduler's ``update_from_output``. A runner whose drafter is not ours
+    reports no k."""
+    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    from vllm_plugins.bridge.v2.step_k import wrap_sample_tokens
+    from vllm_plugins.bridge.v2.drafter_base import V2Drafter
+    from vllm_plugins.bridge.v2.step_k import OUTPUT_ATTR
+    from vllm_plugins.bridge.worker_report import wrap_worker_sample_tokens
 
     tokens = inspect.getsource(GPUModelRunner.sample_tokens)
     assert tokens.index("self.speculator.propose(") < tokens.rindex("return ")
     assert "ModelRunnerOutput" in tokens
 
-    class Runner:
-        speculator = None
+    class Drafter(V2Drafter):
+        def __init__(self):
+            pass
 
-        def sample_tokens(self, grammar_output):
-            return grammar_output
+        def step_k_report(self):
+            return {"k": 2}
 
-    out = object()
-    assert wrap_sample_tokens(Runner.sample_tokens)(Runner(), out) is out
+    runner = SimpleNamespace(speculator=Drafter())
+    worker = SimpleNamespace(model_runner=runner)
+    outputs = [ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}) for _ in range(2)]
+    sample_tokens = wrap_worker_sample_tokens(lambda w, grammar_output: outputs.pop(0))
+    out = sample_tokens(worker, None)
+    assert getattr(out, OUTPUT_ATTR) == {"k": 2}
+    runner.speculator = object()
+    assert not hasattr(sample_tokens(worker, None), OUTPUT_ATTR)
 
 
 def test_the_scheduler_takes_the_steps_k_from_its_lookup_by_request_count():

@@ -134,8 +134,9 @@ def test_the_worker_hook_reports_every_growth_once():
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.sample.logits_processor.state import LogitsProcessors
 
-    from vllm_plugins.bridge.counters import OUTPUT_ATTR, wrap_worker_sample_tokens
+    from vllm_plugins.bridge.counters import OUTPUT_ATTR
     from vllm_plugins.bridge.state import attach, state_of
+    from vllm_plugins.bridge.worker_report import wrap_worker_sample_tokens
 
     class Batch:
         def __init__(self, *procs):

@@ -72,7 +72,7 @@ STEP_PATCHES = ("runner.step_clock", "runner.verified_topk", "runner.propose",
                 "verify.target_rows", "verify.bonus_min_tokens",
                 "grammar.send_held_specs", "grammar.worker_compiles_held_specs",
                 "grammar.report_matcher_errors", "grammar.end_on_matcher_errors",
-                "metrics.worker_counters", "v2.step_k_report")
+                "worker.step_reports")
 
 # (component, "module:Qualname") of each function timed as that component.
 FUNCTIONS = (

@@ -2,10 +2,10 @@
 
 They travel vLLM's own stat path, the one its ``spec_decode`` counters take:
 
-  worker        ``Worker.sample_tokens`` (patch ``metrics.worker_counters``):
-                ``totals(state)`` reads the runner's ``RunnerState``; what
-                grew since the last report rides the step's
-                ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
+  worker        ``Worker.sample_tokens`` (patch ``worker.step_reports``,
+                ``bridge/worker_report.py``): ``totals(state)`` reads the
+                runner's ``RunnerState``; what grew since the last report
+                rides the step's ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
   engine core   ``Scheduler.update_from_output`` puts it on the step's
                 ``SchedulerStats`` (field ``STATS_FIELD``, added by patch
                 ``metrics.scheduler_stats_field``), which vLLM sends to the
@@ -23,8 +23,8 @@ read: tensor-parallel ranks draft alike (``bridge/ranks.py``).
 ``totals`` takes a ``RunnerState`` and the runner's ``Counted`` logits
 processors (``vllm_plugins/counted.py``), nothing else of the runner, so
 any adapter that keeps one (the V1 runner's, V2's) feeds the same path
-through ``report``. An engine that runs only our grammar processor reports
-its counters too, from its first count on (a state without a proposer keeps
+through ``take_growth``. An engine that runs only our grammar processor
+reports its counters too, from its first count on (a state without a proposer keeps
 the last report; until then the engine holds nothing of ours).
 """
 
@@ -184,12 +184,37 @@ def report(state: Any, output: Any, processors: Iterable[Counted] = ()) -> None:
     one)."""
     if output is None or output is _empty_output():
         return  # nothing reaches the scheduler: report at a later step
+    grown = take_growth(state, processors)
+    if grown:
+        _attach_to_output()(output, {OUTPUT_ATTR: grown})
+
+
+def take_growth(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
+    """What ``state``'s counters (and ``processors``') grew since the last
+    call, which it marks as reported: for a step whose output reaches the
+    scheduler."""
     now = totals(state, processors)
     grown = growth(now, state.counters_reported)
-    if not grown:
-        return
-    _attach_to_output()(output, {OUTPUT_ATTR: grown})
-    state.counters_reported = now
+    if grown:
+        state.counters_reported = now
+    return grown
+
+
+def runner_growth(runner: Any) -> Snapshot:
+    """``take_growth`` of a runner's state and its counted processors; a
+    runner with only our logits processors gets a state to keep its last
+    report in once they counted something (a state without a proposer
+    drafts nothing; an engine whose requests used nothing of ours keeps
+    nothing of ours)."""
+    state = state_of(runner)
+    processors = counted_processors(runner)
+    if state is None:
+        if not processors or not any_counted(processors):
+            return {}
+        state = attach(runner)
+    elif not processors and state.proposer is None:
+        return {}
+    return take_growth(state, processors)
 
 
 @functools.cache
@@ -207,33 +232,6 @@ def _empty_output() -> Any:
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
     return EMPTY_MODEL_RUNNER_OUTPUT
-
-
-def wrap_worker_sample_tokens(original):
-    # vllm.v1.worker.gpu_worker.Worker.sample_tokens(self, grammar_output)
-    # -> ModelRunnerOutput | AsyncModelRunnerOutput (the CPU worker's too):
-    # the step's output, which the executor takes from the output rank and
-    # hands to the scheduler's update_from_output.
-    @functools.wraps(original)
-    def sample_tokens(self, grammar_output):
-        out = original(self, grammar_output)
-        runner = self.model_runner
-        state = state_of(runner)
-        processors = counted_processors(runner)
-        if state is None:
-            if not processors or not any_counted(processors):
-                return out
-            # A runner with only our logits processors gets a state to keep
-            # its last report in once they counted something (a state
-            # without a proposer drafts nothing; an engine whose requests
-            # used nothing of ours keeps nothing of ours).
-            state = attach(runner)
-        elif not processors and state.proposer is None:
-            return out
-        report(state, out, processors)
-        return out
-
-    return sample_tokens
 
 
 def to_scheduler_stats(engine_core_outputs: dict, model_runner_output: Any,

@@ -11,12 +11,11 @@ what ``scripts/`` compares between two releases.
 from __future__ import annotations
 
 from vllm_plugins.bridge import (config, counters, cpu_fixes, grammar_front, grammar_hold,
-                                 worker_rpc)
+                                 worker_report, worker_rpc)
 from vllm_plugins.bridge.patching import Patch
 from vllm_plugins.bridge.v1 import runner, verify_processors
 from vllm_plugins.bridge.v2 import gate as v2_gate
 from vllm_plugins.bridge.v2 import speculator as v2_speculator
-from vllm_plugins.bridge.v2 import step_k as v2_step_k
 
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
@@ -46,11 +45,6 @@ PATCHES: tuple[Patch, ...] = (
           "target handed to our proposer",
           _V2_PINS + "test_v2_runner_samples_through_its_sampler_attributes",
           v2_speculator.wrap_load_model),
-    Patch("v2.step_k_report", _V2_RUNNER + ":GPUModelRunner.sample_tokens",
-          "after V2's drafter proposed, the batch-wide k our controller wants "
-          "next rides the step's output to the scheduler (bridge.v2.step_k)",
-          _V2_PINS + "test_v2_sample_tokens_proposes_and_returns_the_steps_output",
-          v2_step_k.wrap_sample_tokens),
     Patch("config.speculative_method",
           "vllm.engine.arg_utils:EngineArgs.create_speculative_config",
           "our method names become vLLM's custom_class route; our options are "
@@ -205,11 +199,12 @@ PATCHES: tuple[Patch, ...] = (
           "on V2, the k our controller wants next caps the scheduler's k",
           _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_update_from_output),
-    Patch("metrics.worker_counters", "vllm.v1.worker.gpu_worker:Worker.sample_tokens",
-          "what our runner state's counters grew in the step rides the step's "
-          "output to the scheduler (bridge.counters)",
+    Patch("worker.step_reports", "vllm.v1.worker.gpu_worker:Worker.sample_tokens",
+          "what our runner state's counters grew in the step, and on V2 the "
+          "k our drafter wants next, ride the step's output to the scheduler "
+          "(bridge.worker_report)",
           _METRICS_PINS + "test_worker_sample_tokens_returns_the_runners_output",
-          counters.wrap_worker_sample_tokens),
+          worker_report.wrap_worker_sample_tokens),
     Patch("metrics.scheduler_stats_field",
           "vllm.v1.metrics.stats:SchedulerStats.vllm_plugins",
           "a declared field, so that our counters' growth travels with the "

@@ -9,8 +9,8 @@ vLLM's ``num_speculative_tokens_per_batch_size`` (the scheduler's
 (``Drafter.next_step_k``, reported by ``V2Drafter.step_k_report``). The
 choice travels the path our counters take:
 
-  worker        V2's ``GPUModelRunner.sample_tokens`` (patch
-                ``v2.step_k_report``), after the drafter proposed, puts it
+  worker        ``Worker.sample_tokens`` (patch ``worker.step_reports``),
+                after V2's runner sampled and its drafter proposed, puts it
                 on the step's ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
   engine core   ``Scheduler.update_from_output`` (``from_output``) makes the
                 scheduler's ``dynamic_sd_lookup`` a ``ChosenStepK``: the
@@ -106,30 +106,22 @@ def _engine_core_choice(scheduler: Any, lookup: ChosenStepK, scheduler_output: A
     return lookup.chooser.choose(len(scheduler.running))
 
 
-def wrap_sample_tokens(original):
-    # vllm.v1.worker.gpu.model_runner.GPUModelRunner.sample_tokens(self,
-    #     grammar_output) samples the step, runs self.speculator.propose and
-    #     returns the step's ModelRunnerOutput (or an async one).
-    @functools.wraps(original)
-    def sample_tokens(self, grammar_output, *args, **kwargs):
-        out = original(self, grammar_output, *args, **kwargs)
-        drafter, attach_to_output = _imports()
-        speculator = getattr(self, "speculator", None)
-        if isinstance(speculator, drafter):
-            report = speculator.step_k_report()
-            if report is not None:
-                attach_to_output(out, {OUTPUT_ATTR: report})
-        return out
-
-    return sample_tokens
+def runner_report(runner: Any) -> dict | None:
+    """What the runner's step tells the scheduler of the next k
+    (``OUTPUT_ATTR``), where its drafter is ours: read by the worker's
+    step hook (``bridge/worker_report.py``) after V2's ``sample_tokens``,
+    which has proposed by then."""
+    speculator = getattr(runner, "speculator", None)
+    if speculator is None or not isinstance(speculator, _v2_drafter()):
+        return None
+    return speculator.step_k_report()
 
 
 @functools.cache
-def _imports():
-    """(V2Drafter, attach_to_output), imported at the first step (they
-    import this module) and kept: an import statement is code run again at
-    every call."""
-    from vllm_plugins.bridge.grammar_hold import attach_to_output
+def _v2_drafter() -> type:
+    """V2Drafter, imported at the first step (the bridge loads this
+    module in every vLLM process, the drafter only where a runner drafts)
+    and kept: an import statement is code run again at every call."""
     from vllm_plugins.bridge.v2.drafter_base import V2Drafter
 
-    return V2Drafter, attach_to_output
+    return V2Drafter
