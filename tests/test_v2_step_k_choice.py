@@ -159,21 +159,26 @@ def _rates(alpha, batch, max_k, a=0.02, b=0.002):
                      for k in range(max_k + 1)])
 
 
+@pytest.mark.parametrize("choose_every", [1, 2])
 @pytest.mark.parametrize("alpha,batch", [(0.9, 1), (0.6, 4), (0.2, 16)])
-def test_the_engine_cores_chooser_finds_the_best_k_from_counts_alone(alpha, batch):
+def test_the_engine_cores_chooser_finds_the_best_k_from_counts_alone(alpha, batch,
+                                                                      choose_every):
     """Only verified and accepted counts and step times: after warming up
     it settles on a k within 1% of the best tokens per second in that
-    world (and far from the worst)."""
+    world (and far from the worst), choosing every step or every other;
+    its acceptance is near the world's wherever its counts are many."""
     from vllm_plugins.proposers.draft_length.batch_k import BatchStepK
 
     rng = np.random.default_rng(0)
-    chooser = BatchStepK(5, explore=0.0)
+    chooser = BatchStepK(5, explore=0.0, choose_every=choose_every)
     k = 5
     for _ in range(400):
         _world_step(chooser, k, alpha, batch, rng)
         k = chooser.choose(batch)
     assert chooser.cost.warm
-    assert np.allclose(chooser.acceptance()[:2], alpha, atol=0.15)
+    counted = chooser.reached >= 5
+    assert counted[0]
+    assert np.allclose(chooser.acceptance()[counted], alpha, atol=0.15)
     recent = [chooser.choose(batch) for _ in range(20)]
     chosen = max(set(recent), key=recent.count)
     rates = _rates(alpha, batch, 5)
@@ -195,7 +200,7 @@ def test_the_engine_core_chooses_where_the_drafter_asks_it_to():
     from_output(scheduler, sched_out, runner_out)
     lookup = scheduler.dynamic_sd_lookup
     chooser = lookup.chooser
-    assert chooser is not None and chooser.hist.sum() == 1
+    assert chooser is not None and sum(chooser.hist) == 1
     assert lookup.chosen == chooser.k
     # a: 2 of 3 accepted (positions 0, 1 reached and accepted, 2 reached);
     # b: none of 3 (position 0 reached); c, a prefill chunk, is not counted.
@@ -240,3 +245,17 @@ def test_the_engine_cores_compiled_counts_and_k_are_numpy_s(batch):
         assert _uniform_k(chooser.accepted, chooser.reached, batch, a, b, v) == want
         wanted.add(want)
     assert len(wanted) >= 3  # the steps tell ks apart
+
+
+def test_a_choice_holds_for_choose_every_steps_of_one_batch_size():
+    """Every step observes; a choice is made every ``choose_every`` steps,
+    and at once where the batch size changed."""
+    from vllm_plugins.proposers.draft_length.batch_k import BatchStepK
+
+    chooser = BatchStepK(4, warmup_explore=1.0, choose_every=3)
+    made = []
+    for batch in (2, 2, 2, 2, 2, 5, 5, 5, 5):
+        before = sum(chooser.hist)
+        chooser.choose(batch)
+        made.append(sum(chooser.hist) - before)
+    assert made == [1, 0, 0, 1, 0, 1, 0, 0, 1]

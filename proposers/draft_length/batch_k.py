@@ -33,15 +33,21 @@ class BatchStepK:
     model is not warm, and at ``explore`` of steps after, a random k is
     tried, so the model sees steps of many sizes; after
     ``_ZERO_PROBE_GAP`` choices of 0 in a row, one step verifies a draft,
-    so the estimate that chose 0 can move.
+    so the estimate that chose 0 can move. A choice holds for
+    ``choose_every`` steps of the same batch size: every step observes,
+    every other one chooses, which halves what the engine core spends on
+    it once a forward has left its code cold.
     """
 
     _ZERO_PROBE_GAP = 16
 
     def __init__(self, max_k: int, decay: float = 0.98, prior_accept: float = 0.5,
                  prior_steps: float = 2.0, warmup_explore: float = 0.5,
-                 explore: float = 0.02, seed: int = 0):
+                 explore: float = 0.02, seed: int = 0, choose_every: int = 2):
         self.max_k = int(max_k)
+        self.choose_every = max(1, int(choose_every))
+        self._held = self.choose_every   # the first call chooses
+        self._batch = 0
         self.decay = decay
         # A sixteenth of the window moves the fit little; a refit, cold
         # after the forward, costs the engine core about 0.1 ms.
@@ -53,7 +59,8 @@ class BatchStepK:
         # Python's generator: a draw costs the engine core less than numpy's.
         self.rng = random.Random(seed)
         self.k = self.max_k
-        self.hist = np.zeros(self.max_k + 1, dtype=np.int64)
+        # Choices of each k (a list: one ``+= 1`` a choice, no numpy call).
+        self.hist = [0] * (self.max_k + 1)
         self.probes = 0
         self._zero_run = 0
         # Each step's verified and accepted counts, [2, room for requests].
@@ -84,8 +91,15 @@ class BatchStepK:
         return self.accepted / np.maximum(self.reached, 1e-12)
 
     def choose(self, batch: int) -> int:
-        """The k for the next step of about ``batch`` requests."""
+        """The k for the next step of about ``batch`` requests: chosen anew
+        every ``choose_every`` steps, or where the batch changed; else the
+        last choice (what it weighs moves by a few percent a step)."""
         batch = max(1, int(batch))
+        self._held += 1
+        if self._held < self.choose_every and batch == self._batch:
+            return self.k
+        self._held = 0
+        self._batch = batch
         rate = self.explore if self.cost.warm else self.warmup_explore
         if rate > 0 and self.rng.random() < rate:
             k = self.rng.randrange(self.max_k + 1)
