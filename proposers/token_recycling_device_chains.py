@@ -5,7 +5,10 @@ The V1 bridge hands the proposer numpy arrays per request; this class packs
 them into the padded tensors ``DeviceRecyclingTables`` takes (CPU tensors
 through ``torch.from_numpy``, moved to the tables' device), keeps a request
 id -> slot map, and unpacks the drafts. The tables' own ops are the ones the
-V2 route runs; only this packing is V1's.
+V2 route runs; only this packing is V1's. Where the tables are CPU tensors,
+learning and drafting are one compiled call each over the padded arrays
+(``token_recycling_device_compiled``; the torch ops are their twin), as the
+V2 route's step is.
 
 Each slot's history moves with ``learn``. A step the proposer does not see
 (the draft-length policy rested, or the bridge had no logits) leaves it
@@ -18,6 +21,9 @@ import numpy as np
 import torch
 
 from vllm_plugins.proposers.token_recycling_device import DeviceRecyclingTables
+from vllm_plugins.proposers.token_recycling_device_compiled import (compiled_learn,
+                                                                    compiled_propose,
+                                                                    compiled_seed)
 from vllm_plugins.step_context import StepContext
 
 
@@ -85,8 +91,12 @@ class DeviceChains:
         for j, (_, t) in enumerate(items):
             tokens[j, :len(t)] = t
         t = self.tables
-        t.seed(self._tensor(np.array([s for s, _ in items], np.int64)), self._tensor(tokens),
-               self._tensor(np.array([len(x) for _, x in items], np.int64)), tables)
+        args = (self._tensor(np.array([s for s, _ in items], np.int64)), self._tensor(tokens),
+                self._tensor(np.array([len(x) for _, x in items], np.int64)))
+        if t.compiled:
+            compiled_seed(t, *args, tables)
+        else:
+            t.seed(*args, tables)
 
     def _learn_rows(self, rows) -> None:
         lens = np.array([len(r.verified_tokens) for r in rows], np.int64)
@@ -99,6 +109,9 @@ class DeviceChains:
         lps[inside] = np.concatenate([r.topk_logprobs[:m, 0] for r, m in zip(rows, lens)])
         num_accepted = np.array([len(r.accepted) - 1 for r in rows], np.int64)
         slots = np.array([self._slot[r.req_id] for r in rows], np.int64)
+        if self.tables.compiled:
+            compiled_learn(self.tables, slots, verified, ids, lps, lens, num_accepted)
+            return
         self.tables.learn(*(self._tensor(a) for a in (slots, verified, ids[:, :, None],
                                                        lps[:, :, None], lens, num_accepted)))
 
@@ -109,8 +122,11 @@ class DeviceChains:
         slots = np.array([self._slot[r.req_id] for _, r, _ in drafting], np.int64)
         last = np.array([r.context[-1] for _, r, _ in drafting], np.int64)
         longest = max(length for _, _, length in drafting)
-        drafts, probs = self.tables.propose(self._tensor(slots), self._tensor(last), longest)
-        drafts, probs = drafts.cpu().numpy(), probs.cpu().numpy()
+        if self.tables.compiled:
+            drafts, probs = compiled_propose(self.tables, slots, last, longest)
+        else:
+            drafts, probs = self.tables.propose(self._tensor(slots), self._tensor(last), longest)
+            drafts, probs = drafts.cpu().numpy(), probs.cpu().numpy()
         lengths = np.minimum(_drafted(drafts), [length for _, _, length in drafting])
         for j, (i, _, _) in enumerate(drafting):
             tokens[i] = drafts[j, :lengths[j]].tolist()

@@ -1,5 +1,6 @@
 """The device route's step (``DeviceRecyclingDrafter.device_step``) as one
-compiled call, where the device tables are CPU tensors.
+compiled call, where the device tables are CPU tensors; and V1's learning
+and drafting on such tables (``DeviceChains``), one call each.
 
 On a GPU the route's torch ops are kernel launches that a CUDA graph
 replays as one; on a CPU each is its own dispatch, a few µs with the caches
@@ -195,6 +196,101 @@ def _seed(kt, lp, hist1, marks, constants, seed_logp, slots, tokens, lengths, ta
         marks[touched[j]] = -1
 
 
+@cached_njit
+def _learn(kt, lp, hist1, constants, slots, verified, top1_ids, top1_logprobs,
+           num_verified, num_accepted):
+    """``DeviceRecyclingTables.learn`` for V1's rows (verified [R, N],
+    top1_ids and top1_logprobs [R, N]: each row's top-1): the entries in
+    the twin's write order (request, row, context order), then each slot's
+    history moved past the committed tokens."""
+    powers, modulus, offset = constants[0], constants[1], constants[2]
+    r_count, n = verified.shape
+    o = powers.shape[0]
+    h = o - 1
+    seq = np.zeros(h + n, np.int64)
+    for r in range(r_count):
+        rows = min(num_verified[r], n)
+        if rows <= 0:
+            continue
+        slot = slots[r]
+        for t in range(h):
+            seq[t] = hist1[slot, t]
+        for j in range(rows):
+            seq[h + j] = verified[r, j] + 1
+        for j in range(rows):
+            tok1 = top1_ids[r, j] + 1
+            logp = top1_logprobs[r, j]
+            key = np.int64(0)
+            for m in range(o):
+                key += seq[h + j - m] * powers[m]
+                entry = key % modulus[m] + offset[m]
+                kt[entry, 0] = key
+                kt[entry, 1] = tok1
+                lp[entry] = logp
+    for r in range(r_count):
+        if num_verified[r] <= 0:
+            continue
+        slot = slots[r]
+        shift = num_accepted[r] + 1
+        for t in range(h):   # reads ahead of what it writes
+            src = t + shift
+            hist1[slot, t] = hist1[slot, src] if src < h else verified[r, src - h] + 1
+
+
+@cached_njit
+def _propose(kt, lp, hist1, constants, prime, min_confidence, slots, last_tokens,
+             drafts, probs):
+    """``DeviceRecyclingTables.propose``: each slot's chain into ``drafts``
+    [R, k] (-1 from where it stops) and each drafted token's stored
+    probability into ``probs`` (0 where -1), the walk of ``_step``."""
+    powers, modulus, offset = constants[0], constants[1], constants[2]
+    r_count, k = drafts.shape
+    o = powers.shape[0]
+    h = o - 1
+    window = np.zeros(o, np.int64)
+    keys = np.zeros(o + 1, np.int64)
+    entries = np.zeros(o, np.int64)
+    for r in range(r_count):
+        slot = slots[r]
+        for t in range(h):
+            window[t] = hist1[slot, t]
+        window[h] = last_tokens[r] + 1
+        for c in range(o):
+            acc = np.int64(0)
+            for t in range(c, o):
+                acc += window[t] * powers[o - 1 - t]
+            keys[c] = acc
+        keys[o] = 0
+        p = 1.0
+        drafting = True
+        tok = np.int64(0)
+        prob = 0.0
+        for j in range(k):
+            if drafting:
+                for c in range(o):
+                    entries[c] = keys[c] % modulus[o - 1 - c] + offset[o - 1 - c]
+                col = o - 1
+                for c in range(o - 1):
+                    if kt[entries[c], 0] == keys[c]:
+                        col = c
+                        break
+                best = entries[col]
+                tok = kt[best, 1]
+                prob = math.exp(np.float64(lp[best]))
+                p *= prob
+                if p < min_confidence or (min_confidence <= 0 and tok == 0):
+                    drafting = False
+            if not drafting:
+                drafts[r, j] = -1
+                probs[r, j] = 0.0
+                continue
+            drafts[r, j] = tok - 1
+            probs[r, j] = prob
+            for c in range(o - 1):
+                keys[c] = tok + keys[c + 1] * prime
+            keys[o - 1] = tok
+
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -231,6 +327,33 @@ def compiled_seed(tables, slots: torch.Tensor, tokens: torch.Tensor, lengths: to
           tokens.numpy(), lengths.numpy(), seed_tables, tables.vocab_size, tables.slots)
 
 
+def compiled_learn(tables, slots: np.ndarray, verified: np.ndarray, top1_ids: np.ndarray,
+                   top1_logprobs: np.ndarray, num_verified: np.ndarray,
+                   num_accepted: np.ndarray) -> None:
+    """``DeviceRecyclingTables.learn`` for CPU tables, from host arrays
+    (V1's rows): top1_ids and top1_logprobs [R, N], each row's top-1."""
+    kt, lp, hist1, _, constants = tables.compiled_arrays()
+    if top1_logprobs.dtype != lp.dtype:
+        top1_logprobs = top1_logprobs.astype(lp.dtype)
+    _learn(kt, lp, hist1, constants, slots, verified, top1_ids, top1_logprobs,
+           num_verified, num_accepted)
+
+
+def compiled_propose(tables, slots: np.ndarray, last_tokens: np.ndarray, num_tokens: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """``DeviceRecyclingTables.propose`` for CPU tables, as host arrays:
+    drafts [R, num_tokens] int64 (-1 where the chain stopped) and float32
+    probabilities."""
+    r, k = slots.shape[0], max(num_tokens, 0)
+    drafts = np.empty((r, k), np.int64)
+    probs = np.empty((r, k), np.float32)
+    if k:
+        kt, lp, hist1, _, constants = tables.compiled_arrays()
+        _propose(kt, lp, hist1, constants, tables.prime, tables.min_confidence, slots,
+                 last_tokens, drafts, probs)
+    return drafts, probs
+
+
 def compiled_step(tables, step) -> torch.Tensor:
     """``DeviceRecyclingTables``' learn then draft for a ``DeviceStep``
     (its requests in distinct slots, CPU tensors): drafts [R, num_tokens]
@@ -263,11 +386,15 @@ def _drafts_buffer(r: int, k: int) -> tuple[torch.Tensor, np.ndarray]:
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the step and the seeding for
-    the dtypes V2 hands them (int32 ids and counts, int64 slots), before
-    any engine step."""
+    the dtypes V2 hands them (int32 ids and counts, int64 slots), and V1's
+    learning and drafting, before any engine step."""
     for order in (1, 3):
         t = DeviceRecyclingTables(16, order, 8, 2, 0.02, "cpu")
         compiled_seed(t, torch.tensor([0]), torch.tensor([[1, 2, 3]]), torch.tensor([3]), True)
+        one = np.array([1], np.int64)
+        compiled_learn(t, one - 1, np.array([[1, 2]]), np.array([[2, 3]]),
+                       np.array([[-0.1, -0.1]], np.float32), one * 2, one)
+        compiled_propose(t, one - 1, one, 2)
         for ids in (torch.int32, torch.int64):
             compiled_step(t, DeviceStep(
                 torch.tensor([0]), torch.tensor([0, 2], dtype=torch.int32),

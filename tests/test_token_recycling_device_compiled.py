@@ -91,3 +91,47 @@ def test_keys_that_wrap_are_hashed_as_the_twin_hashes_them():
         DeviceRecyclingDrafter(t, seed_from_prompt=False).device_step(step)
     assert (twin.kt[:-1, 0].abs() > 1 << 62).any()
     assert torch.equal(compiled.kt[:-1], twin.kt[:-1])
+
+
+@pytest.mark.parametrize("order,context_slots,min_confidence", [
+    (1, 64, 0.02), (2, 16, 0.02), (3, 64, 0.3), (3, 7, 0.0), (5, 64, 0.02)])
+def test_v1s_compiled_learn_and_propose_are_their_torch_twins(order, context_slots,
+                                                              min_confidence):
+    """V1's route (``DeviceChains``) on CPU tables: ``compiled_learn`` and
+    ``compiled_propose`` against the tables' ``learn`` and ``propose`` on
+    random steps (requests that learn nothing, rows of every count, few
+    distinct tokens), across a resize of the history rows: the same tables
+    but the trash entry, histories, drafts and probabilities."""
+    from vllm_plugins.proposers.token_recycling_device_compiled import (compiled_learn,
+                                                                        compiled_propose)
+
+    rng = np.random.default_rng(order * 10 + context_slots)
+    twin, compiled = (DeviceRecyclingTables(VOCAB, order, context_slots, MAX_SLOTS,
+                                            min_confidence, "cpu", compiled=c)
+                      for c in (False, True))
+    drafted = 0
+    for i in range(60):
+        if i == 30:
+            for t in (twin, compiled):
+                t.resize_slots(MAX_SLOTS + 3)
+        r, n = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+        slots = rng.choice(MAX_SLOTS, r, replace=False).astype(np.int64)
+        verified = rng.integers(0, 6, (r, n))
+        ids = rng.integers(0, 6, (r, n))
+        lps = (-rng.exponential(0.4, (r, n))).astype(np.float32)
+        lens = rng.integers(0, n + 1, r)
+        accepted = np.array([rng.integers(0, max(m, 1)) for m in lens], np.int64)
+        twin.learn(*(torch.from_numpy(a) for a in (slots, verified, ids[:, :, None],
+                                                   lps[:, :, None], lens, accepted)))
+        compiled_learn(compiled, slots, verified, ids, lps, lens, accepted)
+        assert torch.equal(compiled.kt[:-1], twin.kt[:-1])
+        assert torch.equal(compiled.lp[:-1], twin.lp[:-1])
+        assert torch.equal(compiled.hist1[:-1], twin.hist1[:-1])
+        last, k = rng.integers(0, 6, r), int(rng.integers(0, 6))
+        want = twin.propose(torch.from_numpy(slots), torch.from_numpy(last), k)
+        got = compiled_propose(compiled, slots, last, k)
+        assert got[0].dtype == np.int64 and got[1].dtype == np.float32
+        assert np.array_equal(got[0], want[0].numpy())
+        assert np.array_equal(got[1], want[1].numpy())
+        drafted += int((got[0] >= 0).sum())
+    assert drafted > 50
