@@ -28,28 +28,36 @@ def test_worker_sample_tokens_returns_the_runners_output(installed):
     from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_worker import Worker
 
-    from vllm_plugins.bridge.counters import OUTPUT_ATTR, report
-    from vllm_plugins.bridge.state import RunnerState
+    from vllm_plugins.bridge.counters import OUTPUT_ATTR
+    from vllm_plugins.bridge.state import attach
+    from vllm_plugins.bridge.worker_report import wrap_worker_sample_tokens
 
     original = inspect.unwrap(Worker.sample_tokens)
     assert list(inspect.signature(original).parameters) == ["self", "grammar_output"]
     assert "return self.model_runner.sample_tokens(grammar_output)" in inspect.getsource(
         original)
     assert "sample_tokens" not in vars(CPUWorker)  # the CPU worker's is the same
-    # The report: what grew since the last one, on a ModelRunnerOutput.
+    # The report: what grew since the last one, on a ModelRunnerOutput; an
+    # empty output (nothing sampled) carries nothing, and what grew waits.
     from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 
-    state = RunnerState(proposer=SimpleNamespace(counters=dict))  # step counters alone
+    worker = SimpleNamespace(model_runner=SimpleNamespace())
+    state = attach(worker.model_runner, SimpleNamespace(counters=dict))  # step counters alone
+    outputs = []
+    sample_tokens = wrap_worker_sample_tokens(lambda w, grammar_output: outputs.pop(0))
+
+    def step(out):
+        outputs.append(out)
+        return sample_tokens(worker, None)
+
     state.counters.steps = 3
-    out = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
-    report(state, out)
+    out = step(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
     assert getattr(out, OUTPUT_ATTR)["steps"] == {"": 3}
     state.counters.steps = 5
-    again = ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0})
-    report(state, again)
-    assert getattr(again, OUTPUT_ATTR) == {"steps": {"": 2}}
-    report(state, EMPTY_MODEL_RUNNER_OUTPUT)
+    assert step(EMPTY_MODEL_RUNNER_OUTPUT) is EMPTY_MODEL_RUNNER_OUTPUT
     assert not hasattr(EMPTY_MODEL_RUNNER_OUTPUT, OUTPUT_ATTR)
+    again = step(ModelRunnerOutput(req_ids=["a"], req_id_to_index={"a": 0}))
+    assert getattr(again, OUTPUT_ATTR) == {"steps": {"": 2}}
 
 
 def test_scheduler_stats_field_travels_to_the_front_end(installed):

@@ -178,17 +178,6 @@ def add(total: Snapshot, more: Snapshot) -> Snapshot:
     return total
 
 
-def report(state: Any, output: Any, processors: Iterable[Counted] = ()) -> None:
-    """Puts what ``state``'s counters (and ``processors``') grew since the
-    last report on the step's ``output`` (a ModelRunnerOutput, or an async
-    one)."""
-    if output is None or output is _empty_output():
-        return  # nothing reaches the scheduler: report at a later step
-    grown = take_growth(state, processors)
-    if grown:
-        _attach_to_output()(output, {OUTPUT_ATTR: grown})
-
-
 def take_growth(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
     """What ``state``'s counters (and ``processors``') grew since the last
     call, which it marks as reported: for a step whose output reaches the
@@ -215,23 +204,6 @@ def runner_growth(runner: Any) -> Snapshot:
     elif not processors and state.proposer is None:
         return {}
     return take_growth(state, processors)
-
-
-@functools.cache
-def _attach_to_output():
-    """``grammar_hold.attach_to_output``, imported at the first report
-    (grammar_hold imports this module) and kept: an import statement runs
-    again at every call."""
-    from vllm_plugins.bridge.grammar_hold import attach_to_output
-
-    return attach_to_output
-
-
-@functools.cache
-def _empty_output() -> Any:
-    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
-
-    return EMPTY_MODEL_RUNNER_OUTPUT
 
 
 def to_scheduler_stats(engine_core_outputs: dict, model_runner_output: Any,
