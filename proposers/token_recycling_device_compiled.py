@@ -39,10 +39,9 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
     """learn (every request's verified rows, request by request, row by
     row, order by order: the torch route's write order) then, from each
     request's moved history, its chain into ``drafts`` [R, k]."""
-    powers, modulus, offset = constants[0], constants[1], constants[2]
     num_rows = logits_indices.shape[0]
     r_count, k = drafts.shape
-    o = powers.shape[0]
+    o = constants.shape[1]
     h = o - 1
     n = k + 1
     seq = np.zeros(h + n + 1, np.int64)
@@ -58,19 +57,13 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
         for j in range(rows):
             seq[h + j] = input_ids[logits_indices[start + j]] + 1
         for j in range(rows):
-            tok1 = top1_ids[start + j, 0] + 1
-            logp = top1_logprobs[start + j, 0]
-            key = np.int64(0)
-            for m in range(o):
-                key += seq[h + j - m] * powers[m]
-                entry = key % modulus[m] + offset[m]
-                kt[entry, 0] = key
-                kt[entry, 1] = tok1
-                lp[entry] = logp
+            _write_row(kt, lp, constants, seq, h + j, top1_ids[start + j, 0] + 1,
+                       top1_logprobs[start + j, 0])
     # Pass 2: each request's history moves on, then its chain.
     window = np.zeros(o, np.int64)
     keys = np.zeros(o + 1, np.int64)
     entries = np.zeros(o, np.int64)
+    no_probs = np.zeros(k, np.float32)
     for r in range(r_count):
         slot = slots[r]
         start = cu_num_logits[r]
@@ -89,37 +82,63 @@ def _step(kt, lp, hist1, constants, prime, min_confidence, slots, cu_num_logits,
         window[h] = newest1
         for t in range(h):
             hist1[slot, t] = window[t]
-        # Column c: the context of order o - c, longest first.
+        _chain(kt, lp, constants, prime, min_confidence, window, keys, entries,
+               newest1 - 1, drafts[r], no_probs)
+
+
+@cached_njit
+def _write_row(kt, lp, constants, seq, newest, tok1, logp):
+    """One verified row into the tables: its contexts of orders 1..O, the
+    newest token ``seq[newest]`` (tokens plus one) and those before it,
+    shortest first, each to ``tok1`` with ``logp``."""
+    powers, modulus, offset = constants[0], constants[1], constants[2]
+    key = np.int64(0)
+    for m in range(powers.shape[0]):
+        key += seq[newest - m] * powers[m]
+        entry = key % modulus[m] + offset[m]
+        kt[entry, 0] = key
+        kt[entry, 1] = tok1
+        lp[entry] = logp
+
+
+@cached_njit
+def _chain(kt, lp, constants, prime, min_confidence, window, keys, entries, pad, drafts,
+           probs):
+    """One chain after ``window`` [O] (its last tokens plus one, oldest
+    first) into ``drafts`` [k], ``pad`` from where it stops, and each
+    drafted token's stored probability into ``probs`` [k], 0 from there
+    (``keys`` [O + 1] and ``entries`` [O]: scratch). Column c of ``keys``
+    is the context of order O - c, the longest probed first."""
+    powers, modulus, offset = constants[0], constants[1], constants[2]
+    o = powers.shape[0]
+    for c in range(o):
+        acc = np.int64(0)
+        for t in range(c, o):
+            acc += window[t] * powers[o - 1 - t]
+        keys[c] = acc
+    keys[o] = 0
+    p = 1.0
+    for j in range(drafts.shape[0]):
         for c in range(o):
-            acc = np.int64(0)
-            for t in range(c, o):
-                acc += window[t] * powers[o - 1 - t]
-            keys[c] = acc
-        keys[o] = 0
-        p = 1.0
-        drafting = True
-        for j in range(k):
-            if not drafting:
-                drafts[r, j] = newest1 - 1
-                continue
-            for c in range(o):
-                entries[c] = keys[c] % modulus[o - 1 - c] + offset[o - 1 - c]
-            col = o - 1
-            for c in range(o - 1):
-                if kt[entries[c], 0] == keys[c]:
-                    col = c
-                    break
-            best = entries[col]
-            tok = kt[best, 1]
-            p *= math.exp(np.float64(lp[best]))
-            if p < min_confidence or (min_confidence <= 0 and tok == 0):
-                drafting = False
-                drafts[r, j] = newest1 - 1
-                continue
-            drafts[r, j] = tok - 1
-            for c in range(o - 1):
-                keys[c] = tok + keys[c + 1] * prime
-            keys[o - 1] = tok
+            entries[c] = keys[c] % modulus[o - 1 - c] + offset[o - 1 - c]
+        col = o - 1
+        for c in range(o - 1):
+            if kt[entries[c], 0] == keys[c]:
+                col = c
+                break
+        best = entries[col]
+        tok = kt[best, 1]
+        prob = math.exp(np.float64(lp[best]))
+        p *= prob
+        if p < min_confidence or (min_confidence <= 0 and tok == 0):
+            drafts[j:] = pad
+            probs[j:] = 0.0
+            return
+        drafts[j] = tok - 1
+        probs[j] = prob
+        for c in range(o - 1):
+            keys[c] = tok + keys[c + 1] * prime
+        keys[o - 1] = tok
 
 
 @cached_njit
@@ -203,9 +222,8 @@ def _learn(kt, lp, hist1, constants, slots, verified, top1_ids, top1_logprobs,
     top1_ids and top1_logprobs [R, N]: each row's top-1): the entries in
     the twin's write order (request, row, context order), then each slot's
     history moved past the committed tokens."""
-    powers, modulus, offset = constants[0], constants[1], constants[2]
     r_count, n = verified.shape
-    o = powers.shape[0]
+    o = constants.shape[1]
     h = o - 1
     seq = np.zeros(h + n, np.int64)
     for r in range(r_count):
@@ -218,15 +236,7 @@ def _learn(kt, lp, hist1, constants, slots, verified, top1_ids, top1_logprobs,
         for j in range(rows):
             seq[h + j] = verified[r, j] + 1
         for j in range(rows):
-            tok1 = top1_ids[r, j] + 1
-            logp = top1_logprobs[r, j]
-            key = np.int64(0)
-            for m in range(o):
-                key += seq[h + j - m] * powers[m]
-                entry = key % modulus[m] + offset[m]
-                kt[entry, 0] = key
-                kt[entry, 1] = tok1
-                lp[entry] = logp
+            _write_row(kt, lp, constants, seq, h + j, top1_ids[r, j] + 1, top1_logprobs[r, j])
     for r in range(r_count):
         if num_verified[r] <= 0:
             continue
@@ -242,10 +252,9 @@ def _propose(kt, lp, hist1, constants, prime, min_confidence, slots, last_tokens
              drafts, probs):
     """``DeviceRecyclingTables.propose``: each slot's chain into ``drafts``
     [R, k] (-1 from where it stops) and each drafted token's stored
-    probability into ``probs`` (0 where -1), the walk of ``_step``."""
-    powers, modulus, offset = constants[0], constants[1], constants[2]
-    r_count, k = drafts.shape
-    o = powers.shape[0]
+    probability into ``probs`` (0 where -1), walked as ``_step`` walks."""
+    r_count = drafts.shape[0]
+    o = constants.shape[1]
     h = o - 1
     window = np.zeros(o, np.int64)
     keys = np.zeros(o + 1, np.int64)
@@ -255,40 +264,8 @@ def _propose(kt, lp, hist1, constants, prime, min_confidence, slots, last_tokens
         for t in range(h):
             window[t] = hist1[slot, t]
         window[h] = last_tokens[r] + 1
-        for c in range(o):
-            acc = np.int64(0)
-            for t in range(c, o):
-                acc += window[t] * powers[o - 1 - t]
-            keys[c] = acc
-        keys[o] = 0
-        p = 1.0
-        drafting = True
-        tok = np.int64(0)
-        prob = 0.0
-        for j in range(k):
-            if drafting:
-                for c in range(o):
-                    entries[c] = keys[c] % modulus[o - 1 - c] + offset[o - 1 - c]
-                col = o - 1
-                for c in range(o - 1):
-                    if kt[entries[c], 0] == keys[c]:
-                        col = c
-                        break
-                best = entries[col]
-                tok = kt[best, 1]
-                prob = math.exp(np.float64(lp[best]))
-                p *= prob
-                if p < min_confidence or (min_confidence <= 0 and tok == 0):
-                    drafting = False
-            if not drafting:
-                drafts[r, j] = -1
-                probs[r, j] = 0.0
-                continue
-            drafts[r, j] = tok - 1
-            probs[r, j] = prob
-            for c in range(o - 1):
-                keys[c] = tok + keys[c + 1] * prime
-            keys[o - 1] = tok
+        _chain(kt, lp, constants, prime, min_confidence, window, keys, entries, -1,
+               drafts[r], probs[r])
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
