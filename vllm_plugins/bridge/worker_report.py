@@ -16,7 +16,6 @@ forward left its code cold, so a hook costs a step more than its own work.
 from __future__ import annotations
 
 import functools
-
 from typing import Any
 
 from vllm_plugins.bridge import counters
