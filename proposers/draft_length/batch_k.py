@@ -50,7 +50,8 @@ class BatchStepK:
         self._batch = 0
         self.decay = decay
         # A sixteenth of the window moves the fit little; a refit, cold
-        # after the forward, costs the engine core about 0.1 ms.
+        # after the forward, costs the engine core more than the rest of
+        # its step.
         self.cost = StepCostModel(refit_every=16)
         self.reached = np.full(self.max_k, prior_steps)
         self.accepted = np.full(self.max_k, prior_steps * prior_accept)
