@@ -12,8 +12,12 @@ from __future__ import annotations
 from numba import njit
 
 
-def cached_njit(fn):
+def cached_njit(fn=None, **options):
+    """``@cached_njit`` or ``@cached_njit(fastmath=...)``: numba's options
+    beside ``cache``."""
+    if fn is None:
+        return lambda f: cached_njit(f, **options)
     try:
-        return njit(cache=True)(fn)
+        return njit(cache=True, **options)(fn)
     except RuntimeError:  # "cannot cache function ...: no locator available"
-        return njit(fn)
+        return njit(**options)(fn)

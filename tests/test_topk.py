@@ -75,8 +75,9 @@ def test_half_precision_logits(dtype):
 def test_no_buffer_the_size_of_the_logits(dtype):
     """At a 262k vocabulary the call's largest allocation is a chunk of
     rows, not a [rows, vocab] float32 tensor (writing and faulting one in
-    cost as much as the arithmetic), whatever the number of threads; the
-    next call allocates no row at all (the chunk buffer is kept)."""
+    cost as much as the arithmetic), whatever the number of threads (on
+    one, float32 rows need none); the next call allocates no row at all
+    (the chunk buffer is kept)."""
     from torch.profiler import ProfilerActivity, profile
 
     from vllm_plugins import topk
@@ -92,10 +93,10 @@ def test_no_buffer_the_size_of_the_logits(dtype):
     logits = torch.randn(rows, vocab).to(dtype)
     threads = torch.get_num_threads()
     try:
-        for n in (1, 2):
+        for n in (1, 4):
             torch.set_num_threads(n)
             topk._kept.buffer = None
-            assert 0 < largest_allocation() <= max(CHUNK_BYTES, n * vocab * 4) \
+            assert largest_allocation() <= max(CHUNK_BYTES, n * vocab * 4) \
                 < rows * vocab * 4
             assert largest_allocation() < vocab * 4
     finally:
@@ -118,20 +119,22 @@ def test_the_kept_buffer_serves_calls_inside_and_outside_inference_mode():
 
 
 def stable_reference(logits, k):
-    """torch's values, exactly: ids by a stable descending sort (tied
-    logits, the lower id first), log-probabilities from ``log_softmax``."""
+    """torch's values: ids by a stable descending sort (tied logits, the
+    lower id first), log-probabilities from ``log_softmax``."""
     x = logits.float()
     ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
     return torch.log_softmax(x, -1).gather(1, ids), ids
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13])
-def test_small_batches_exactly_as_torch(rows, dtype, threads):
-    """The few rows of a small batch (the compiled loop's block maxima, or
-    torch's on several threads from ``PARALLEL_ROWS`` rows on) give
-    log_softmax's very bits and, among tied logits, the lower ids first."""
+def test_small_batches_as_torch(rows, dtype, threads):
+    """The few rows of a small batch (the compiled loop's all, or torch's
+    block maxima and ``log_softmax`` from ``PARALLEL_ROWS`` rows on
+    ``PARALLEL_THREADS`` threads) give the ids of a stable sort (among tied
+    logits, the lower first) and ``log_softmax``'s values: its very bits
+    where it ran, else within the normaliser's last bits."""
     from vllm_plugins import topk
 
     g = torch.Generator().manual_seed(rows * 31 + threads)
@@ -147,9 +150,40 @@ def test_small_batches_exactly_as_torch(rows, dtype, threads):
             lp, ids = topk.topk_logprobs(logits, k)
             ref_lp, ref_ids = stable_reference(logits, k)
             assert torch.equal(ids, ref_ids)
-            assert torch.equal(lp, ref_lp)
+            if rows >= topk.PARALLEL_ROWS and threads >= topk.PARALLEL_THREADS:
+                assert torch.equal(lp, ref_lp)
+            else:
+                torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_compiled_normaliser_is_logsumexps():
+    """The compiled loop's normaliser (a polynomial ``exp``, vectorised)
+    against float64 ``logsumexp``: within float32's summation error, over
+    rows whose maxima stand far out or among many near it, scaled logits,
+    and masked ones; a row with a NaN, an infinite logit or nothing
+    finite gives NaN, as ``log_softmax`` does."""
+    from vllm_plugins import topk_blocks
+
+    g = torch.Generator().manual_seed(11)
+    vocab = 49152 + 37
+    logits = torch.randn(8, vocab, generator=g) * torch.tensor(
+        [0.01, 1.0, 4.0, 12.0, 30.0, 4.0, 4.0, 4.0])[:, None]
+    logits[1, 3] += 80.0                      # one logit far above the rest
+    logits[2, ::3] = float("-inf")            # masked
+    logits[5, 9] = float("nan")
+    logits[6, 100] = float("inf")
+    logits[7] = float("-inf")
+    ids = np.empty((8, 8), np.int64)
+    lps = np.empty((8, 8), np.float32)
+    topk_blocks.topk_logprobs_rows(logits.numpy(), 8, ids, lps)
+    x = logits.double()
+    want = x.gather(1, torch.from_numpy(ids)) - torch.logsumexp(x, -1, keepdim=True)
+    # atol: the normaliser's float32 sum; rtol: a float32 result's rounding.
+    torch.testing.assert_close(torch.from_numpy(lps[:5]).double(), want[:5], rtol=2e-7,
+                               atol=2e-6)
+    assert np.isnan(lps[5:]).all()
 
 
 def test_host_arrays_are_the_tensors_values_and_their_own():

@@ -12,30 +12,30 @@ bridge's own work on an awake step:
   such blocks), and the exact top-k is taken among their ``k * BLOCK``
   logits.
 - The log-probabilities need each row's normaliser, a pass of ``exp`` over
-  the whole row that nothing avoids; ``log_softmax``'s own kernel makes it,
-  so the values are its bits. A ``log_softmax`` of all rows at once writes
-  a fresh [rows, vocab] float32 tensor only to read k values of each row:
-  at a 262k vocabulary and 112 verified rows, 112 MiB allocated and
-  faulted in every step, which costs as much as the arithmetic. So it goes
-  a chunk of rows at a time into one buffer of ``CHUNK_BYTES``, at least a
-  row per thread so that a multi-threaded engine still spreads the rows
-  over its cores. Smaller chunks gain little on an idle core and lose much
-  on a busy host, where every chunk's parallel region waits for its
-  slowest thread. The buffer is kept for the next call, one per calling
-  thread (at most ``CHUNK_BYTES`` or a row per thread): a fresh one is
-  faulted in again every step.
+  the whole row that nothing avoids. ``log_softmax`` makes it and then
+  writes a whole row only to have k values of it read: after a forward,
+  whose weights evicted the buffer, that write costs as much as the
+  arithmetic. So a few rows (fewer than ``PARALLEL_ROWS``), or an engine
+  on fewer than ``PARALLEL_THREADS`` threads, go through one compiled
+  call, which takes a row's block maxima, top-k and normaliser (a
+  vectorised ``exp`` that writes nothing: ``topk_blocks``) and never makes
+  a tensor. Its log-probabilities are ``log_softmax``'s but for the last
+  bits of the normaliser (about 1e-6 of it: another summation order).
+- Many rows on many threads go to torch, whose threads share them:
+  block maxima by ``amax`` and ``log_softmax`` into a kept buffer, a chunk
+  of rows (``CHUNK_BYTES``, at least a row per thread) at a time, the top-k
+  and gather compiled. A ``log_softmax`` of all rows at once would write a
+  fresh [rows, vocab] float32 tensor: at a 262k vocabulary and 112
+  verified rows, 112 MiB allocated and faulted in every step. Smaller
+  chunks gain little on an idle core and lose much on a busy host, where
+  every chunk's parallel region waits for its slowest thread. The buffer
+  is kept for the next call, one per calling thread, with its views.
 
-At the few rows of a small batch the arithmetic is not the cost: the
-forward between two steps evicts the code and data of every torch call
-made here, and each (a view, ``.numpy()``, a tensor of the results) then
-costs tens of microseconds. So all but ``log_softmax`` runs in one compiled
-call per chunk (block maxima, top-k, gathering the log-probabilities), the
-buffer's views are kept with it, and ``topk_logprobs_numpy`` hands a host
-caller the arrays without tensors around them. Torch's block maxima come
-back only where its threads share them (``PARALLEL_ROWS``).
-
-Logits in bfloat16 or float16 are converted to float32 a chunk at a time
-in the same buffer, never whole.
+``topk_logprobs_numpy`` hands a host caller the arrays without tensors
+around them: after a forward each torch call (a view, ``.numpy()``, a
+tensor of the results) costs tens of microseconds. Logits in bfloat16 or
+float16 are converted to float32 a chunk at a time in the kept buffer,
+never whole.
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ import numpy as np
 import torch
 
 BLOCK = 64  # topk_blocks.BLOCK, named here so that importing this loads no numba
-# log_softmax output per chunk of rows (at least one row per thread).
+# A chunk of rows in float32: log_softmax's output, or half-precision rows
+# converted (at least one row per thread).
 CHUNK_BYTES = 8 << 20
-# From this many rows on, and on several threads, torch's block maxima (its
-# threads share them); below, the compiled loop's.
+# From this many rows on, on this many threads or more, torch's block maxima
+# and log_softmax (its threads share them); else the compiled loop's all,
+# which on two threads still takes less wall time (it writes nothing).
 PARALLEL_ROWS = 8
-# .buffer: the calling thread's float32 log_softmax chunk; .views: that
-# buffer and its (tensor, array) views by shape.
+PARALLEL_THREADS = 4
+# .buffer: the calling thread's float32 chunk; .views: that buffer and its
+# (tensor, array) views by shape.
 _kept = threading.local()
-_NO_MAXIMA = np.empty((0, 0), dtype=np.float32)
 _blocks = None  # vllm_plugins.topk_blocks once loaded (compiled())
 
 
@@ -97,7 +99,7 @@ def first_is_argmax(logits: torch.Tensor, k: int) -> bool:
     log-probability is finite is that row's first maximum, the index
     ``argmax`` gives: so on the blocked host path, which keeps the lower of
     tied ids first. A row holding NaN or an infinity has a NaN
-    log-probability (``log_softmax``) and must be read by ``argmax``."""
+    log-probability (as ``log_softmax`` gives) and must be read by ``argmax``."""
     return k > 0 and blocked(logits, k)
 
 
@@ -106,15 +108,40 @@ def host_topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     arrays."""
     blocks = compiled()
     rows, vocab = logits.shape
-    per = CHUNK_BYTES // (4 * vocab)
-    if rows < PARALLEL_ROWS and rows <= per:
-        fill = True   # one chunk, the compiled loop's maxima: whatever the threads
-    else:
-        threads = torch.get_num_threads()
-        per = max(per, threads, 1)
-        fill = rows < PARALLEL_ROWS or threads == 1
     ids = np.empty((rows, k), dtype=np.int64)
     lps = np.empty((rows, k), dtype=np.float32)
+    if rows < PARALLEL_ROWS or torch.get_num_threads() < PARALLEL_THREADS:
+        compiled_rows(blocks, logits, k, ids, lps)
+    else:
+        threads_rows(blocks, logits, k, ids, lps)
+    return lps, ids
+
+
+def compiled_rows(blocks, logits: torch.Tensor, k: int, ids: np.ndarray,
+                  lps: np.ndarray) -> None:
+    """One thread's work: every row in the compiled loop, top-k and
+    normaliser; half-precision rows converted a chunk at a time first."""
+    rows, vocab = logits.shape
+    if logits.dtype == torch.float32:
+        x = logits if logits.is_contiguous() else logits.contiguous()
+        blocks.topk_logprobs_rows(x.numpy(), k, ids, lps)
+        return
+    per = max(CHUNK_BYTES // (4 * vocab), 1)
+    for start in range(0, rows, per):
+        stop = min(start + per, rows)
+        chunk, chunk_np = chunk_buffer(stop - start, vocab)
+        chunk.copy_(logits if stop - start == rows else logits[start:stop])
+        blocks.topk_logprobs_rows(chunk_np, k, ids[start:stop], lps[start:stop])
+
+
+def threads_rows(blocks, logits: torch.Tensor, k: int, ids: np.ndarray,
+                 lps: np.ndarray) -> None:
+    """Many rows on several threads: torch's block maxima and
+    ``log_softmax`` share them out, a chunk of rows (at least one a
+    thread) at a time; the compiled loop takes the top-k of the best blocks
+    and gathers."""
+    rows, vocab = logits.shape
+    per = max(CHUNK_BYTES // (4 * vocab), torch.get_num_threads(), 1)
     half = logits.dtype != torch.float32
     for start in range(0, rows, per):
         stop = min(start + per, rows)
@@ -126,18 +153,15 @@ def host_topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
             # log_softmax then runs in place (CPU's kernel reads each row
             # whole before writing it) once the ids are taken.
             chunk.copy_(x)
-            blocks.topk_rows(chunk_np, block_maxima(chunk, fill), fill, k, out_ids)
+            blocks.topk_rows(chunk_np, block_maxima(chunk), k, out_ids)
             torch.log_softmax(chunk, -1, out=chunk)
             blocks.gather_rows(chunk_np, out_ids, out_lps)
             continue
-        x_np = x.numpy()
-        if not x_np.flags.c_contiguous:
+        if not x.is_contiguous():
             x = x.contiguous()
-            x_np = x.numpy()
         torch.log_softmax(x, -1, out=chunk)
-        blocks.topk_rows_gathered(x_np, block_maxima(x, fill), fill, chunk_np, k,
+        blocks.topk_rows_gathered(x.numpy(), block_maxima(x), chunk_np, k,
                                   out_ids, out_lps)
-    return lps, ids
 
 
 def compiled():
@@ -153,11 +177,8 @@ def compiled():
     return _blocks
 
 
-def block_maxima(x: torch.Tensor, fill: bool) -> np.ndarray:
-    """Torch's block maxima where its threads share them, else nothing:
-    the compiled loop makes its own."""
-    if fill:
-        return _NO_MAXIMA
+def block_maxima(x: torch.Tensor) -> np.ndarray:
+    """Torch's block maxima, which its threads share out."""
     rows, vocab = x.shape
     blocks = vocab // BLOCK
     return x[:, :blocks * BLOCK].view(rows, blocks, BLOCK).amax(2).numpy()

@@ -1,11 +1,23 @@
-"""``topk``'s compiled half: block maxima, the top-k of the best blocks, and
-the log-probabilities at those ids.
+"""``topk``'s compiled half: block maxima, the top-k of the best blocks, each
+row's normaliser, and the log-probabilities at those ids.
 
 After a forward has run, each torch call of the stash starts with its
 dispatch code and buffers out of cache, which costs more than the few rows'
 arithmetic: a small batch's block maxima cost as much through ``amax`` as
-reading the rows. So everything but ``log_softmax`` (whose float32 values
-the stash must keep) runs here, in one call per chunk of rows.
+reading the rows. So one call does a row's all: its block maxima, its top-k,
+then its normaliser, a pass of ``exp`` over the row that writes nothing
+(``log_softmax`` writes a row it is read from only at k places, and after a
+forward that write-allocate costs as much as its arithmetic).
+
+The ``exp`` is a polynomial here, vectorised: numba has no vector ``exp`` to
+call without Intel's SVML, and calls libm's one element at a time (ten
+times slower than ``log_softmax``). ``exp(x - max)`` is ``2**y`` with
+``y = (x - max) * log2(e)``, split as ``y = n + r``, ``n`` an integer, ``|r| <=
+1/2``: ``2**r`` by its Taylor series to degree 7 (relative error under 1e-8,
+below float32's resolution) and ``2**n`` by its float32 bits. A chunk of a
+row at a time, so that both halves stay in cache, and their product summed.
+The normaliser then differs from ``log_softmax``'s in its last bits only
+(another summation order: about 1e-6 of its size).
 """
 
 from __future__ import annotations
@@ -16,6 +28,15 @@ from vllm_plugins.proposers.jit import cached_njit
 
 LANES = 16  # one AVX-512 register of float32; two AVX2 ones
 BLOCK = 4 * LANES
+EXP_CHUNK = 512   # elements of a row whose 2**r and 2**n stay in L1 together
+# Vector arithmetic in any order; NaN and infinities kept as IEEE has them.
+_FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
+_LOG2E = np.float32(1.4426950408889634)
+# 2**r = sum (r ln 2)**j / j!, j = 0..7: ln(2)**j / j!, highest first.
+_C7, _C6, _C5, _C4 = (np.float32(1.525273380405984e-05), np.float32(1.5403530393381606e-04),
+                      np.float32(1.3333558146428443e-03), np.float32(9.618129107628477e-03))
+_C3, _C2, _C1 = (np.float32(5.550410866482158e-02), np.float32(2.402265069591007e-01),
+                 np.float32(6.931471805599453e-01))
 
 
 @cached_njit
@@ -72,24 +93,16 @@ def _row_topk(row, maxima, k, best_values, best_blocks, values, out):
 
 
 @cached_njit
-def topk_rows(logits, maxima, fill, k, ids):
+def topk_rows(logits, maxima, k, ids):
     """The ids of the k largest logits of every row into ``ids``, largest
-    first (more than k blocks a row): a block whose maximum is not among
-    the k largest maxima holds none of them. The block maxima are made
-    here when ``fill``, else taken from ``maxima``."""
-    rows, vocab = logits.shape
-    own = np.empty(vocab // BLOCK, np.float32)
-    lanes = np.empty(LANES, np.float32)
+    first (more than k blocks a row), given the rows' block ``maxima``: a
+    block whose maximum is not among the k largest maxima holds none of
+    them."""
     best_values = np.empty(k, np.float32)
     best_blocks = np.empty(k, np.int64)
     values = np.empty(k, np.float32)
-    for r in range(rows):
-        if fill:
-            _block_maxima(logits[r], own, lanes)
-            row_maxima = own
-        else:
-            row_maxima = maxima[r]
-        _row_topk(logits[r], row_maxima, k, best_values, best_blocks, values, ids[r])
+    for r in range(logits.shape[0]):
+        _row_topk(logits[r], maxima[r], k, best_values, best_blocks, values, ids[r])
 
 
 @cached_njit
@@ -101,8 +114,83 @@ def gather_rows(values, ids, out):
 
 
 @cached_njit
-def topk_rows_gathered(logits, maxima, fill, logprobs, k, ids, out):
+def topk_rows_gathered(logits, maxima, logprobs, k, ids, out):
     """``topk_rows``, then the ``logprobs`` at those ids: one call where
     the log-probabilities are ready first."""
-    topk_rows(logits, maxima, fill, k, ids)
+    topk_rows(logits, maxima, k, ids)
     gather_rows(logprobs, ids, out)
+
+
+@cached_njit(fastmath=_FAST)
+def _exp2_parts(seg, m, fraction, exponent):
+    """For each ``x`` of ``seg``: ``2**r`` into ``fraction`` and ``2**n``'s
+    float32 bits into ``exponent``, ``exp(x - m) = 2**(n + r)``; the count
+    of NaNs in ``seg``. ``x - m`` below -87 (``exp`` under 2**-125) counts
+    as 2**-125: a masked logit's share of the sum is nothing in float32."""
+    nans = 0
+    for i in range(seg.shape[0]):
+        x = seg[i]
+        nans += x != x
+        y = max((x - m) * _LOG2E, np.float32(-125.0))
+        n = np.rint(y)
+        r = y - n
+        p = _C7 * r + _C6
+        p = p * r + _C5
+        p = p * r + _C4
+        p = p * r + _C3
+        p = p * r + _C2
+        p = p * r + _C1
+        fraction[i] = p * r + np.float32(1.0)
+        exponent[i] = np.int32((n + np.float32(127.0)) * np.float32(8388608.0))
+    return nans
+
+
+@cached_njit(fastmath=_FAST)
+def _dot(a, b, n):
+    total = np.float32(0.0)
+    for i in range(n):
+        total += a[i] * b[i]
+    return total
+
+
+@cached_njit(fastmath=_FAST)
+def _log_normaliser(row, m, fraction, exponent):
+    """``log(sum(exp(row - m)))`` for a row whose maximum is ``m`` (finite),
+    or NaN where the row holds a NaN."""
+    scale = exponent.view(np.float32)
+    total = np.float32(0.0)
+    nans = 0
+    for start in range(0, row.shape[0], EXP_CHUNK):
+        width = min(EXP_CHUNK, row.shape[0] - start)
+        nans += _exp2_parts(row[start:start + width], m, fraction, exponent)
+        total += _dot(fraction, scale, width)
+    if nans:
+        return np.float32(np.nan)
+    return np.float32(np.log(np.float64(total)))
+
+
+@cached_njit
+def topk_logprobs_rows(logits, k, ids, out):
+    """``topk_rows`` (block maxima made here, a row at a time), then each row's
+    log-probabilities at those ids, ``x - max - log(sum(exp(x - max)))``
+    as ``log_softmax`` computes them: NaN throughout a row that holds a NaN
+    or whose maximum is not finite (an infinite logit, or every one -inf),
+    as ``log_softmax`` gives."""
+    rows, vocab = logits.shape
+    own = np.empty(vocab // BLOCK, np.float32)
+    lanes = np.empty(LANES, np.float32)
+    best_values = np.empty(k, np.float32)
+    best_blocks = np.empty(k, np.int64)
+    values = np.empty(k, np.float32)
+    fraction = np.empty(EXP_CHUNK, np.float32)
+    exponent = np.empty(EXP_CHUNK, np.int32)
+    for r in range(rows):
+        row = logits[r]
+        _block_maxima(row, own, lanes)
+        _row_topk(row, own, k, best_values, best_blocks, values, ids[r])
+        m = row[ids[r, 0]]
+        log_sum = np.float32(np.nan)
+        if np.isfinite(m):
+            log_sum = _log_normaliser(row, m, fraction, exponent)
+        for j in range(k):
+            out[r, j] = (row[ids[r, j]] - m) - log_sum
