@@ -58,21 +58,25 @@ def run(costs, steps, seconds, alone_per_step, tokens=2, step_s=0.01):
     return np.array(history)
 
 
-def test_a_source_that_costs_more_than_it_brings_goes_off_and_is_probed_again():
+@pytest.mark.parametrize("cost_s", [0.001, 0.0001])
+def test_a_source_that_costs_more_than_it_brings_goes_off_and_is_probed_again(cost_s):
     # Source 0: 1 ms a step for 0.5 tokens of 2 in a 10 ms step (25% of the
-    # tokens for 10% of the time): pays. Source 1: 1 ms for nothing: off.
+    # tokens for 10% of the time): pays. Source 1 brings nothing: off, and
+    # probed again after a gap its cost sets, so that its probes take
+    # PROBE_SHARE of the engine's time (160 steps at 1 ms, 16 at 0.1 ms).
+    gap = round(SourceCosts.PROBE_STEPS * cost_s / (SourceCosts.PROBE_SHARE * 0.01))
     costs = SourceCosts(2)
-    on = run(costs, SourceCosts.WARMUP + SourceCosts.PROBE_GAP + SourceCosts.PROBE_STEPS + 8,
-             [0.001, 0.001], [0.5, 0.0])
+    on = run(costs, SourceCosts.WARMUP + gap + SourceCosts.PROBE_STEPS + 8,
+             [0.001, cost_s], [0.5, 0.0])
     assert on[:SourceCosts.WARMUP - 1].all()              # measured first
     assert on[:, 0].all()
     first_off = int(np.argmin(on[:, 1]))
     assert first_off == SourceCosts.WARMUP - 1
-    back = first_off + SourceCosts.PROBE_GAP
+    back = first_off + gap
     assert not on[first_off:back, 1].any()                 # off for the gap
     assert on[back:back + SourceCosts.PROBE_STEPS, 1].all()   # then probed
     assert not on[-1, 1]                                    # and off again
-    assert costs.off_steps[1] > SourceCosts.PROBE_GAP and costs.off_steps[0] == 0
+    assert costs.off_steps[1] > gap and costs.off_steps[0] == 0
 
 
 def test_a_source_pays_when_its_share_of_tokens_beats_its_share_of_time():

@@ -24,16 +24,21 @@ not pay is not run again for every new request, one that pays for most is
 on from the first step), and its own steps take over as they come. An off
 source measures nothing for that request; it comes back for it only as
 the engine-wide means move, since a probe of its own could cost a short
-request more than it returns. A
-source off for every running request runs no learn and no sent (it
-catches up from the context, as after a resting step), and the
-engine-wide probe brings it back to every request for ``PROBE_STEPS``
-steps every ``PROBE_GAP`` steps, measured afresh. One of a request's
-sources always stays on, the closest to paying: the draft-length policy
-decides whether drafting pays at all.
+request more than it returns. A source off for every running request
+runs no learn and no sent (it catches up from the context, as after a
+resting step), and the engine-wide probe brings it back to every request
+for ``PROBE_STEPS`` steps, measured afresh, after a gap its cost sets: its
+probes take at most ``PROBE_SHARE`` of the engine's time. At batch 1 the
+first requests set what every later one starts from; a cheap source that
+one of them found no use for comes back within a few steps, and a costly
+one that brings nothing is seldom asked. One of a request's sources
+always stays on, the closest to paying: the draft-length policy decides
+whether drafting pays at all.
 """
 
 from __future__ import annotations
+
+import math
 
 from vllm_plugins.proposers.sources.request_costs import RequestCosts, StepTally
 
@@ -45,8 +50,9 @@ class SourceCosts:
 
     HALF_LIFE = 64.0   # steps
     WARMUP = 32        # engine steps measured before any source goes off
-    PROBE_GAP = 256    # steps a source off for every request stays off
-    PROBE_STEPS = 16   # steps it then runs for every request, measured again
+    PROBE_STEPS = 16   # steps a source off for every request runs when probed
+    PROBE_SHARE = 0.01  # of the engine's time, at most, its probes take
+    MAX_PROBE_GAP = 4096   # steps: a source is measured again at least this often
     PRIOR_STEPS = 8.0  # steps of engine-wide means added to each request's sums
 
     def __init__(self, count: int, enabled: bool = True):
@@ -68,6 +74,7 @@ class SourceCosts:
         self._pop_alone = [0.0] * count
         self._pop_n = [0.0] * count
         self._tokens = self._step_s = 0.0      # decayed sums over every step
+        self._steps_w = 0.0                    # ... and their decayed count
         # The engine's means, ``PRIOR_STEPS`` steps of them: each request's prior.
         self._prior_cost = [0.0] * count
         self._prior_alone = [0.0] * count
@@ -139,6 +146,7 @@ class SourceCosts:
         d = self._decay
         self._tokens = d * self._tokens + tokens
         self._step_s = d * self._step_s + step_seconds
+        self._steps_w = d * self._steps_w + 1.0
         asked = [0] * self.count
         for rec in pending:
             for k in rec.asked:
@@ -173,6 +181,16 @@ class SourceCosts:
             self._union()
 
     # ------------------------------------------------------------ decisions
+    def probe_gap(self, k: int) -> int:
+        """Steps source k stays off for every request before it is probed:
+        ``PROBE_STEPS`` of its mean host time a step, as last measured, are
+        ``PROBE_SHARE`` of the engine's time over the gap."""
+        step_s = self._step_s / self._steps_w if self._steps_w > 0 else 0.0
+        if step_s <= 0.0:
+            return self.MAX_PROBE_GAP
+        gap = self.PROBE_STEPS * self.cost_s[k] / (self.PROBE_SHARE * step_s)
+        return max(1, min(self.MAX_PROBE_GAP, math.ceil(gap - 1e-9)))   # not a float's last bit
+
     def _probe(self) -> None:
         """A source off for every request comes back to all of them for a
         while, measured afresh."""
@@ -183,7 +201,7 @@ class SourceCosts:
                 self._off_for[k] = 0
             else:
                 self._off_for[k] += 1
-                if self._off_for[k] >= self.PROBE_GAP:
+                if self._off_for[k] >= self.probe_gap(k):
                     self._off_for[k] = 0
                     self._probe_left[k] = self.PROBE_STEPS
                     self._cost[k] = self._alone[k] = self._weight[k] = 0.0
