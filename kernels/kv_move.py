@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vllm_plugins.kernels.triton_support import jit, next_power_of_2, triton, triton_usable
+from vllm_plugins.proposers.jit import cached_njit
 
 if triton is not None:
     import triton.language as tl
@@ -218,28 +219,10 @@ def host_elements(cache: torch.Tensor):
     return cache.view(bits).numpy().reshape(-1)
 
 
-def slot_elements(key_cache: torch.Tensor, value_cache: torch.Tensor, base: torch.Tensor,
-                  slots: np.ndarray) -> np.ndarray:
-    """Where each slot's keys and values sit in ``base``'s memory (the views
-    ``[num_blocks, block_size, kv_heads, head_size]`` of it that
-    ``key_cache`` and ``value_cache`` are, any strides): element offsets
-    from its first element, [slots, 2, kv_heads, head_size] flattened."""
-    _, block_size, kv_heads, head_size = key_cache.shape
-    block, offset = np.divmod(np.asarray(slots, np.int64), block_size)
-    within = np.arange(kv_heads)[:, None], np.arange(head_size)[None, :]
-    parts = []
-    for view in (key_cache, value_cache):
-        s0, s1, s2, s3 = view.stride()
-        start = view.storage_offset() - base.storage_offset()
-        rows = start + block * s0 + offset * s1
-        parts.append(rows[:, None, None] + (within[0] * s2 + within[1] * s3)[None])
-    return np.stack(parts, axis=1).reshape(-1)
-
-
 def host_layout(base: torch.Tensor, key_cache: torch.Tensor,
                 value_cache: torch.Tensor) -> tuple:
-    """What ``slot_elements`` reads of a layer's views: layers alike share
-    the offsets."""
+    """What ``_slot_layout`` reads of a layer's views: layers alike share
+    it."""
     if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError("key_cache and value_cache must both be [num_blocks, block_size, "
                          f"kv_heads, head_size], got {tuple(key_cache.shape)} and "
@@ -249,13 +232,50 @@ def host_layout(base: torch.Tensor, key_cache: torch.Tensor,
             value_cache.storage_offset() - base.storage_offset())
 
 
+class HostLayers:
+    """``move_kv_host``'s layers, prepared once: grouped by layout (layers
+    alike share where a slot's elements sit), each group's element arrays
+    in one tuple that one compiled call walks. A runner's caches live as
+    long as its engine, so the bridge keeps this: a tree step's move is
+    then one call per layout, not numpy index operations per layer."""
+
+    def __init__(self, layers):
+        groups: dict = {}
+        for base, key_cache, value_cache, flat, layout in layers:
+            group = groups.get(layout)
+            if group is None:
+                group = groups[layout] = (_slot_layout(key_cache, value_cache, base), [])
+            group[1].append(flat)
+        self.groups = [(layout, tuple(flats)) for layout, flats in groups.values()]
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) the move for these layers'
+        count and element size, moving nothing: before a runner's first tree
+        step rather than inside it."""
+        none = np.zeros(0, np.int64)
+        for (block_size, kv_heads, head_size, strides, starts), flats in self.groups:
+            _move_slots(flats, none, none, block_size, kv_heads, head_size, strides, starts,
+                        np.empty(0, flats[0].dtype))
+
+
+def _slot_layout(key_cache: torch.Tensor, value_cache: torch.Tensor, base: torch.Tensor
+                 ) -> tuple:
+    """(block_size, kv_heads, head_size, element strides [2, 4] of the key
+    and value views, their first elements [2] within ``base``): where
+    ``_move_slots`` finds a slot's elements."""
+    _, block_size, kv_heads, head_size = key_cache.shape
+    strides = np.array([key_cache.stride(), value_cache.stride()], np.int64)
+    starts = np.array([key_cache.storage_offset() - base.storage_offset(),
+                       value_cache.storage_offset() - base.storage_offset()], np.int64)
+    return block_size, kv_heads, head_size, strides, starts
+
+
 def move_kv_host(layers, src_slots, dst_slots) -> None:
-    """``move_kv_layers`` on CPU caches as numpy moves of their memory: per
-    layer one gather of every source element (a copy, so sources are read
-    before any destination is written) and one scatter. ``layers``: (base,
-    key_cache, value_cache, ``host_elements(base)``, ``host_layout`` of
-    them) per layer, the caches views of base; layers of one layout share
-    the offsets."""
+    """``move_kv_layers`` on CPU caches as moves of their memory: per layer
+    every source element is read, then every destination written (a
+    destination may be another pair's source). ``layers``: a ``HostLayers``,
+    or (base, key_cache, value_cache, ``host_elements(base)``,
+    ``host_layout`` of them) per layer, the caches views of base."""
     src_slots = np.asarray(src_slots, np.int64)
     dst_slots = np.asarray(dst_slots, np.int64)
     if src_slots.shape != dst_slots.shape or src_slots.ndim != 1:
@@ -263,14 +283,37 @@ def move_kv_host(layers, src_slots, dst_slots) -> None:
                          f"{src_slots.shape} and {dst_slots.shape}")
     if len(src_slots) == 0:
         return
-    offsets: dict = {}
-    for base, key_cache, value_cache, flat, layout in layers:
-        got = offsets.get(layout)
-        if got is None:
-            got = offsets[layout] = (
-                slot_elements(key_cache, value_cache, base, src_slots),
-                slot_elements(key_cache, value_cache, base, dst_slots))
-        flat[got[1]] = flat[got[0]]
+    if not isinstance(layers, HostLayers):
+        layers = HostLayers(layers)
+    for (block_size, kv_heads, head_size, strides, starts), flats in layers.groups:
+        buffer = np.empty(len(src_slots) * 2 * kv_heads * head_size, flats[0].dtype)
+        _move_slots(flats, src_slots, dst_slots, block_size, kv_heads, head_size, strides,
+                    starts, buffer)
+
+
+@cached_njit
+def _move_slots(flats, src, dst, block_size, kv_heads, head_size, strides, starts, buffer):
+    """Each array of ``flats``: the key and value elements of ``src`` slots
+    to ``dst`` slots (``_slot_layout``), all read into ``buffer`` before any
+    is written."""
+    for flat in flats:
+        for write in range(2):
+            slots = dst if write else src
+            j = 0
+            for i in range(slots.shape[0]):
+                block, offset = divmod(slots[i], block_size)
+                for c in range(2):
+                    row = starts[c] + block * strides[c, 0] + offset * strides[c, 1]
+                    for h in range(kv_heads):
+                        at = row + h * strides[c, 2]
+                        step = strides[c, 3]
+                        if write:
+                            for d in range(head_size):
+                                flat[at + d * step] = buffer[j + d]
+                        else:
+                            for d in range(head_size):
+                                buffer[j + d] = flat[at + d * step]
+                        j += head_size
 
 
 def move_kv(key_cache: torch.Tensor, value_cache: torch.Tensor,

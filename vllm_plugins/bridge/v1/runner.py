@@ -207,7 +207,8 @@ def route_trees(runner, state) -> None:
     drafted its first tree: that tree is verified at the next step, whose
     ``_prepare_inputs`` plans it; and holds the attention route ready for
     its attention layers (``patching.hold``), which ``_model_forward`` puts
-    on them for each tree step's forward and takes off after. An engine that
+    on them for each tree step's forward and takes off after; the accepted
+    K/V's move is compiled for its caches now. An engine that
     never drafts a tree (chains, vLLM's own drafters, plain decoding) keeps
     vLLM's methods and attention as they are, at no cost per step or per
     layer, and so does a routed runner's step that verifies no tree."""
@@ -216,6 +217,8 @@ def route_trees(runner, state) -> None:
 
     for name in RUNNER_TREE_ROUTE:
         apply_to(named(name), runner)
+    # GPUModelRunner.kv_caches: set when vLLM allocates the cache, before any step.
+    tree_step.warm_up_kv_move(getattr(runner, "kv_caches", ()), state.cache_views)
     attention = named(ATTENTION_TREE_ROUTE)
     owner, _ = attention.owner_and_attr()
     state.tree_attention = hold(attention, [

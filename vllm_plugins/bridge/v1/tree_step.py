@@ -45,7 +45,7 @@ import torch
 from vllm import forward_context
 
 from vllm_plugins.kernels.cache_layout import cpu_cache_views, layout_refusal
-from vllm_plugins.kernels.kv_move import (host_elements, host_layout, move_kv_host,
+from vllm_plugins.kernels.kv_move import (HostLayers, host_elements, host_layout, move_kv_host,
                                          move_kv_layers)
 from vllm_plugins.kernels.tree_attention import (TreeAttentionPlan, request_attention,
                                                  tree_attention_planned)
@@ -529,21 +529,16 @@ def move_accepted_kv(kv_caches, src: list[int], dst: list[int],
                      views: dict | None = None) -> None:
     """Every attention layer's K/V from src slots to dst slots (CPU layout),
     all layers in one call (``move_kv_layers``: one pair of launches on a
-    GPU; host caches as numpy moves of their memory, ``move_kv_host``).
-    ``views``: the runner's kept cache views (``cache_views_of``)."""
+    GPU; host caches as moves of their memory, ``move_kv_host``, its layers
+    prepared once and kept). ``views``: the runner's kept cache views
+    (``cache_views_of``)."""
     if not src:
         return
     if views is None:
         views = {}
-    seen = set()
-    layers = []
-    for cache in kv_caches:
-        if cache is None or cache.data_ptr() in seen:
-            continue  # layers sharing one cache move it once
-        seen.add(cache.data_ptr())
-        layers.append(cache_views_of(views, cache))
-    if layers and all(layer.elements is not None for layer in layers):
-        move_kv_host(layers, src, dst)
+    layers, host = host_layers_of(views, kv_caches)
+    if host is not None:
+        move_kv_host(host, src, dst)
         return
     keys = [layer.key for layer in layers]
     values = [layer.value for layer in layers]
@@ -551,3 +546,38 @@ def move_accepted_kv(kv_caches, src: list[int], dst: list[int],
         device = keys[0].device
         move_kv_layers(keys, values, torch.tensor(src, dtype=torch.int64, device=device),
                        torch.tensor(dst, dtype=torch.int64, device=device))
+
+
+def host_layers_of(views: dict, kv_caches) -> tuple[list, HostLayers | None]:
+    """(each distinct cache's ``CacheViews``, in order; their ``HostLayers``,
+    None where a cache's memory cannot be moved on the host), made once for
+    the runner's list of caches and kept in ``views`` with that list's
+    tensors, so a list whose tensors changed is prepared again."""
+    caches = tuple(kv_caches)
+    got = views.get(_HOST_LAYERS)
+    if got is not None and len(got[0]) == len(caches) \
+            and all(a is b for a, b in zip(got[0], caches)):
+        return got[1], got[2]
+    seen = set()
+    layers = []
+    for cache in caches:
+        if cache is None or cache.data_ptr() in seen:
+            continue  # layers sharing one cache move it once
+        seen.add(cache.data_ptr())
+        layers.append(cache_views_of(views, cache))
+    host = (HostLayers(layers) if layers and all(layer.elements is not None
+                                                 for layer in layers) else None)
+    views[_HOST_LAYERS] = (caches, layers, host)
+    return layers, host
+
+
+def warm_up_kv_move(kv_caches, views: dict) -> None:
+    """Prepare (``host_layers_of``) and compile the host move of these
+    caches, before the runner's first tree step."""
+    _, host = host_layers_of(views, kv_caches)
+    if host is not None:
+        host.warm_up()
+
+
+# ``views``' key for ``host_layers_of`` (the others are tensors' ids).
+_HOST_LAYERS = "host_layers"
