@@ -8,7 +8,7 @@ handful of rows, where dispatch (twice as dear with the caches cold after
 a forward) outweighed the arithmetic. These loops do the same over the
 slot arrays in place; ``EstimatingController`` says what the numbers mean.
 
-The per-step entry points (``learn_step``, ``bound_step``, ``settle_step``)
+The per-step entry points (``learn_step``, ``learn_bound_step``, ``settle_step``)
 take their state as flat arguments, not tuples: numba types a tuple
 argument element by element on every call, about twice as slowly as the
 same values passed one by one, and these run every step.
@@ -197,11 +197,38 @@ def learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, 
 
 
 @cached_njit
+def learn_bound_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec,
+                     ex, cut_token, cut_at, probing, probe_level,
+                     acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior,
+                     decay, ewma, threshold, strength, eps,
+                     q_used, edges, ps, pe, pdecay,
+                     conf_kept, gs, gn, cps, cpn, cal_s, cal_e, cstrength, cgdecay, cdecay,
+                     bound_threshold, gap, max_backoff, max_draft, zero_streak, conf_seen):
+    """``learn_step``, then ``bound_step`` on the learned estimates, in one
+    call: after a forward has evicted the caches, a compiled call's entry
+    costs about half a microsecond an array argument, and the two share
+    most of theirs. Returns (cut drafts observed, rows the change detector
+    reset, the rows' acceptance estimates, their bounds)."""
+    peeks, changes = learn_step(
+        rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec, ex,
+        cut_token, cut_at, probing, probe_level,
+        acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay, prior, decay,
+        ewma, threshold, strength, eps,
+        q_used, edges, ps, pe, pdecay,
+        conf_kept, gs, gn, cps, cpn, cal_s, cal_e, cstrength, cgdecay, cdecay)
+    probs, bound = bound_step(rows, bound_threshold, gap, max_backoff, max_draft, zero_streak,
+                              probe_level, conf_seen, acc_s, acc_n, win_n, win_m, win_pos, glob,
+                              gps, gpn, depth, gdecay, prior, decay, ewma, threshold, strength,
+                              eps)
+    return peeks, changes, probs, bound
+
+
+@cached_njit
 def bound_step(rows, threshold, gap, max_backoff, max_draft, zero_streak, probe_level,
                conf_seen, acc_s, acc_n, win_n, win_m, win_pos, glob, gps, gpn, depth, gdecay,
                prior, decay, ewma, change_threshold, strength, eps):
-    """(each row's acceptance estimates, its ``length_bounds``) in one call
-    (the state flattened: ``EstimatingController._bound_args``)."""
+    """(each row's acceptance estimates, its ``length_bounds``), the
+    estimator's state flattened as ``learn_step`` takes it."""
     rate = (glob[0] + prior) / (glob[1] + 1.0)
     probs = probs_rows(rows, acc_s, acc_n, win_n, win_m, ewma, rate, gps, gpn, strength, eps)
     return probs, length_bounds(rows, probs, threshold, zero_streak, probe_level, gap,

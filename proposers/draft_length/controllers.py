@@ -27,8 +27,9 @@ from vllm_plugins.proposers.draft_length.acceptance import (ESTIMATOR_OPTIONS, A
                                                            clip)
 from vllm_plugins.proposers.draft_length.calibration import (
     CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator, prefix_probabilities)
-from vllm_plugins.proposers.draft_length.controller_kernels import (bound_step, count_decisions,
-                                                                   learn_step, settle_step)
+from vllm_plugins.proposers.draft_length.controller_kernels import (count_decisions,
+                                                                   learn_bound_step, learn_step,
+                                                                   settle_step)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 if TYPE_CHECKING:  # duck-typed at run time; no import cost, no cycle
@@ -244,16 +245,25 @@ class EstimatingController(DraftLengthController):
 
     # ------------------------------------------------------------ observe
     def observe(self, ctx: StepContext) -> Observation:
-        observation = self._learn(ctx)
-        self._bound(ctx, observation)
+        observation, verified = self._read(ctx)
+        if verified is not None:
+            self._learn_verified(ctx, verified, observation)
         return observation
 
     def _learn(self, ctx: StepContext) -> Observation:
         """Bookkeeping, then learn from the drafts this step verified."""
+        observation, verified = self._read(ctx)
+        if verified is not None:
+            self._learn_verified(ctx, verified)
+        return observation
+
+    def _read(self, ctx: StepContext) -> tuple[Observation, tuple | None]:
+        """Bookkeeping, and what this step verified as the compiled learning
+        takes it (None: no requests)."""
         observation = super().observe(ctx)
         reqs = ctx.requests
         if not reqs:
-            return observation
+            return observation, None
         rows = observation.rows = self.slots.slots([r.req_id for r in reqs])
         # Per row: tokens emitted, drafts verified, the last token emitted (into
         # a kept buffer: an array built from tuples costs more than the learning).
@@ -269,20 +279,38 @@ class EstimatingController(DraftLengthController):
         # node outcomes for the confidence calibration, typed as
         # ``_EXTRA_TYPES``).
         trees, extra = self._learn_trees(ctx, rows)
+        return observation, (rows, info, trees, extra)
+
+    def _learn_verified(self, ctx: StepContext, verified: tuple,
+                        bound: Observation | None = None) -> None:
+        """``_read``'s step into the estimates and calibrations. With
+        ``bound`` (the step's observation), each request's ``max_length``
+        for the step too, from the estimates just learned, in the same
+        compiled call (``learn_bound_step``: drafting asks once per request,
+        and one pass is cheaper than that many scalar ones)."""
+        rows, info, trees, extra = verified
+        batch = len(rows)
         self._kernel_state()
         outcomes = np.empty((4, batch), np.int64)
         foreseen = np.empty(batch) if self.counting_free else _NO_VALUES
-        peeks, changes = learn_step(
-            rows, info, _NO_FLAGS if trees is None else trees, self.observe_cut,
-            self.counting_free, outcomes, foreseen, *(_NO_EXTRA if extra is None else extra),
-            *self._learn_args)
+        args = (rows, info, _NO_FLAGS if trees is None else trees, self.observe_cut,
+                self.counting_free, outcomes, foreseen,
+                *(_NO_EXTRA if extra is None else extra), *self._learn_args)
+        if bound is None:
+            peeks, changes = learn_step(*args)
+        else:
+            # Confidences only arrive with the drafts: no bound for rows given
+            # them (``conf_seen``).
+            peeks, changes, bound.probs, bounds = learn_bound_step(
+                *args, float(self._length_threshold(bound)), self._probe_gap(),
+                self._MAX_BACKOFF, self.max_draft, *self._bound_extra)
+            bound.bounds = dict(zip([r.req_id for r in ctx.requests], bounds.tolist()))
         self.estimator.changes += changes
         if peeks:
             self.cut_observed += peeks
             if self.counting_free:
                 peek = outcomes[2] >= 0
                 self._free_outcome(outcomes[3, peek] > 0, foreseen[peek])
-        return observation
 
     def _learn_trees(self, ctx: StepContext, rows: np.ndarray):
         """(bool per row: its last drafts were a tree the policy reads node
@@ -290,21 +318,6 @@ class EstimatingController(DraftLengthController):
         calibration as arrays of ``_EXTRA_TYPES``, or None). Chain policies
         read no trees."""
         return None, None
-
-    def _bound(self, ctx: StepContext, observation: Observation) -> None:
-        """Each request's ``max_length`` for the step, all at once (drafting
-        asks once per request; one compiled pass is cheaper than that many
-        scalar ones)."""
-        rows = observation.rows
-        if rows is None:
-            return
-        self._kernel_state()
-        # Confidences only arrive with the drafts: no bound for rows given them
-        # (``conf_seen`` in ``_bound_args``).
-        observation.probs, bound = bound_step(
-            rows, float(self._length_threshold(observation)), self._probe_gap(),
-            self._MAX_BACKOFF, self.max_draft, *self._bound_args)
-        observation.bounds = dict(zip([r.req_id for r in ctx.requests], bound.tolist()))
 
     def _free_outcome(self, accepted: np.ndarray, foreseen: np.ndarray) -> None:
         p = clip(np.asarray(foreseen, np.float64), 0.0, 1.0)
@@ -383,7 +396,7 @@ class EstimatingController(DraftLengthController):
         confidence calibration) and for settling (probe and cut slots, kept
         confidences). Rebuilt when the slots grow, which replaces their
         arrays; with it the same flattened as the compiled steps take them
-        (``_learn_args``, ``_bound_args``, ``_settle_args``: None for a
+        (``_learn_args``, ``_bound_extra``, ``_settle_args``: None for a
         calibration that is off)."""
         if self._state_capacity != self.slots.capacity:
             a = self.slots.arrays
@@ -398,8 +411,7 @@ class EstimatingController(DraftLengthController):
             slot, est, prefix, learn_cal, settle_slot, settle_cal = state
             self._learn_args = (*slot, *est, *(prefix or (None,) * 5),
                                 *(learn_cal or (None,) * 10))
-            self._bound_args = (a["zero_streak"], a["probe_level"],
-                                _NO_FLAGS if cal is None else a["conf_seen"], *est)
+            self._bound_extra = (a["zero_streak"], _NO_FLAGS if cal is None else a["conf_seen"])
             self._settle_args = (*settle_slot, *(settle_cal or (None, None)))
             self._state_capacity = self.slots.capacity
         return self._state

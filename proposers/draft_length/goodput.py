@@ -195,11 +195,16 @@ class GoodputController(EstimatingController):
             observation = self._observe_resting(ctx, tokens)
             observation.step_k = step_k
             return observation
-        observation = self._learn(ctx)
+        # The step's verified drafts are read first (a tree's read says
+        # whether the step verified a tree, which the cost model takes);
+        # the estimates learn from them after the cost model's update, in
+        # the call that bounds each request's draft by the step's threshold.
+        observation, verified = self._read(ctx)
         observation.step_k = step_k
         self._observe_cost(ctx, tokens)
         observation.explore_cap = self._explore_cap(observation.batch)
-        self._bound(ctx, observation)
+        if verified is not None:
+            self._learn_verified(ctx, verified, observation)
         return observation
 
     def _observe_resting(self, ctx: StepContext, tokens: tuple[int, int]) -> Observation:

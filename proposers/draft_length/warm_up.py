@@ -62,8 +62,10 @@ def warm_up(controller: DraftLengthController) -> None:
                                                                   tree_allocation)
 
     if isinstance(twin, GoodputController):
-        # The twin may not rest (can_rest), so its rest comparison is not reached.
+        # The twin may not rest (can_rest), so its rest comparison is not
+        # reached, nor the learning a resting step runs without bounds.
         twin.rest.beats_drafting(1, 1.0, 1.0, 0)
+        twin._learn(ctx)
 
     if isinstance(twin, TreeGoodputController):
         from vllm_plugins.proposers.draft_length import tree_kernels
