@@ -124,15 +124,18 @@ def plan_tree_attention(block_table: torch.Tensor, seq_lens: torch.Tensor,
 
 
 def request_attention(first_row: int, seq_len: int, block_table_row: torch.Tensor,
-                      mask: torch.Tensor, block_size: int, group: int) -> RequestAttention:
+                      mask: torch.Tensor | np.ndarray, block_size: int,
+                      group: int) -> RequestAttention:
     """One request's part of a plan: its step tokens are rows ``first_row``
-    on of the query, and ``mask`` [query_len, query_len] says which of them
-    each sees."""
+    on of the query, and ``mask`` [query_len, query_len] (a tensor, or a
+    host array) says which of them each sees."""
     query_len = mask.shape[0]
     # Built in numpy, one tensor at the end: each torch call costs tens of
     # microseconds on a CPU whose caches a forward has just evicted.
+    if isinstance(mask, torch.Tensor):
+        mask = mask.cpu().numpy()
     bias = np.zeros((query_len, seq_len), dtype=np.float32)
-    bias[:, seq_len - query_len:][~mask.cpu().numpy()] = -np.inf
+    bias[:, seq_len - query_len:][~mask] = -np.inf
     num_blocks = -(-seq_len // block_size)
     blocks = block_table_row[:num_blocks].long()
     return RequestAttention(first_row, first_row + query_len, seq_len, blocks,

@@ -132,7 +132,7 @@ class TreeStep:
     """One step's tree requests, and what attention needs of them."""
 
     requests: list[TreeRequest]
-    mask: torch.Tensor  # [tree tokens, max query len] bool
+    mask: np.ndarray  # [tree tokens, max query len] bool
     num_tokens: int  # tokens of the whole step (attention's sanity check)
     # id(attention metadata) -> StepAttention, planned at a group's first layer
     attention: dict = field(default_factory=dict)
@@ -163,14 +163,14 @@ def of_forward() -> TreeStep | None:
     return forward_context.get_forward_context().additional_kwargs.get(FORWARD_KEY)
 
 
-def step_mask(parents_list, query_lens) -> torch.Tensor:
+def step_mask(parents_list, query_lens) -> np.ndarray:
     """bool [sum(query_lens), max(query_lens)]: row t says which of its own
     request's step tokens token t may see. A request with parents None is
     causal (a chain, or a prompt chunk); a tree request's query is its root
     and its nodes."""
     total = int(sum(query_lens))
     width = int(max(query_lens)) if len(query_lens) else 0
-    mask = np.zeros((total, width), dtype=bool)   # one tensor at the end
+    mask = np.zeros((total, width), dtype=bool)
     start = 0
     for parents, q in zip(parents_list, query_lens):
         q = int(q)
@@ -182,7 +182,7 @@ def step_mask(parents_list, query_lens) -> torch.Tensor:
                                  f"query tokens, got {q}")
             mask[start:start + q, :q] = ancestor_mask_numpy(parents)
         start += q
-    return torch.from_numpy(mask)
+    return mask
 
 
 def plan(trees: dict, req_ids, num_scheduled, num_computed, scheduled_drafts,
@@ -226,6 +226,9 @@ def depth_positions(step: TreeStep, positions: torch.Tensor) -> None:
         d = [0] + depths(r.parents)
         rows.extend(range(r.query_start, r.query_start + len(d)))
         values.extend(r.num_computed + x for x in d)
+    if positions.is_cpu:   # one numpy write: each torch call costs more after a forward
+        positions.numpy()[rows] = values
+        return
     idx = torch.tensor(rows, dtype=torch.int64, device=positions.device)
     positions[idx] = torch.tensor(values, dtype=positions.dtype, device=positions.device)
 
