@@ -14,11 +14,12 @@ non-negative; destinations are distinct.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from vllm_plugins.kernels.triton_support import jit, next_power_of_2, triton, triton_usable
-from vllm_plugins.proposers.jit import cached_njit
 
 if triton is not None:
     import triton.language as tl
@@ -253,9 +254,10 @@ class HostLayers:
         count and element size, moving nothing: before a runner's first tree
         step rather than inside it."""
         none = np.zeros(0, np.int64)
+        move = compiled_move()
         for (block_size, kv_heads, head_size, strides, starts), flats in self.groups:
-            _move_slots(flats, none, none, block_size, kv_heads, head_size, strides, starts,
-                        np.empty(0, flats[0].dtype))
+            move(flats, none, none, block_size, kv_heads, head_size, strides, starts,
+                 np.empty(0, flats[0].dtype))
 
 
 def _slot_layout(key_cache: torch.Tensor, value_cache: torch.Tensor, base: torch.Tensor
@@ -285,13 +287,24 @@ def move_kv_host(layers, src_slots, dst_slots) -> None:
         return
     if not isinstance(layers, HostLayers):
         layers = HostLayers(layers)
+    move = compiled_move()
     for (block_size, kv_heads, head_size, strides, starts), flats in layers.groups:
         buffer = np.empty(len(src_slots) * 2 * kv_heads * head_size, flats[0].dtype)
-        _move_slots(flats, src_slots, dst_slots, block_size, kv_heads, head_size, strides,
-                    starts, buffer)
+        move(flats, src_slots, dst_slots, block_size, kv_heads, head_size, strides, starts,
+             buffer)
 
 
-@cached_njit
+@functools.cache
+def compiled_move():
+    """``_move_slots`` compiled (or loaded from numba's cache), at first use:
+    the bridge imports this module in every vLLM process, where numba must
+    not load before the bridge's patches are on (and not at all in a process
+    whose vLLM the bridge steps aside from)."""
+    from vllm_plugins.proposers.jit import cached_njit
+
+    return cached_njit(_move_slots)
+
+
 def _move_slots(flats, src, dst, block_size, kv_heads, head_size, strides, starts, buffer):
     """Each array of ``flats``: the key and value elements of ``src`` slots
     to ``dst`` slots (``_slot_layout``), all read into ``buffer`` before any
