@@ -318,6 +318,29 @@ def test_requests_the_tree_cannot_serve_go_out_as_their_chain_prefix():
     assert tree_allowed(SamplingParams(temperature=0.7, top_k=5, seed=3))
 
 
+def test_the_kept_host_move_follows_the_runners_caches():
+    """The runner's kept views (``host_layers_of``) serve a step's move on
+    the caches it was made for, and a new list of caches is prepared
+    afresh: a move lands in the caches of the list it is given, bf16 and
+    float32 alike, and nowhere else."""
+    views = {}
+    src, dst = [9, 3], [3, 4]   # slot 3 is read before it is written
+    for dtype in (torch.bfloat16, torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(7)
+        caches = [torch.randn(6, 2, 4, 2 * 8, generator=gen).to(dtype) for _ in range(3)]
+        before = [c.clone() for c in caches]
+        tree_step.move_accepted_kv(caches, src, dst, views)
+        for cache, old in zip(caches, before):
+            k0, v0 = cpu_cache_views(old)
+            k1, v1 = cpu_cache_views(cache)
+            for s, d in zip(src, dst):
+                assert torch.equal(k1[d // 4, d % 4], k0[s // 4, s % 4])
+                assert torch.equal(v1[d // 4, d % 4], v0[s // 4, s % 4])
+            untouched = [b * 4 + o for b in range(6) for o in range(4) if b * 4 + o not in dst]
+            for slot in untouched:
+                assert torch.equal(k1[slot // 4, slot % 4], k0[slot // 4, slot % 4])
+
+
 def test_a_tree_with_bad_parents_goes_out_as_its_chain_prefix():
     trees = {}
     out, _ = tree_step.record_drafts(trees, ["a"], Drafts([[5, 6, 7, 8]], None, None,
