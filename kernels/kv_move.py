@@ -242,12 +242,9 @@ class HostLayers:
 
     def __init__(self, layers):
         groups: dict = {}
-        for base, key_cache, value_cache, flat, layout in layers:
-            group = groups.get(layout)
-            if group is None:
-                group = groups[layout] = (_slot_layout(key_cache, value_cache, base), [])
-            group[1].append(flat)
-        self.groups = [(layout, tuple(flats)) for layout, flats in groups.values()]
+        for *_, flat, layout in layers:
+            groups.setdefault(layout, []).append(flat)
+        self.groups = [(_slot_layout(layout), tuple(flats)) for layout, flats in groups.items()]
 
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) the move for these layers'
@@ -260,16 +257,13 @@ class HostLayers:
                  np.empty(0, flats[0].dtype))
 
 
-def _slot_layout(key_cache: torch.Tensor, value_cache: torch.Tensor, base: torch.Tensor
-                 ) -> tuple:
-    """(block_size, kv_heads, head_size, element strides [2, 4] of the key
-    and value views, their first elements [2] within ``base``): where
-    ``_move_slots`` finds a slot's elements."""
-    _, block_size, kv_heads, head_size = key_cache.shape
-    strides = np.array([key_cache.stride(), value_cache.stride()], np.int64)
-    starts = np.array([key_cache.storage_offset() - base.storage_offset(),
-                       value_cache.storage_offset() - base.storage_offset()], np.int64)
-    return block_size, kv_heads, head_size, strides, starts
+def _slot_layout(layout: tuple) -> tuple:
+    """``host_layout``'s tuple as ``_move_slots`` reads it: (block_size,
+    kv_heads, head_size, element strides [2, 4] of the key and value views,
+    their first elements [2] within the base)."""
+    shape, key_stride, value_stride, key_start, value_start = layout
+    return (shape[1], shape[2], shape[3], np.array([key_stride, value_stride], np.int64),
+            np.array([key_start, value_start], np.int64))
 
 
 def move_kv_host(layers, src_slots, dst_slots) -> None:

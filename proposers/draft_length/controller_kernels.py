@@ -206,8 +206,7 @@ def learn_bound_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen
                      bound_threshold, gap, max_backoff, max_draft, zero_streak, conf_seen):
     """``learn_step``, then ``bound_step`` on the learned estimates, in one
     call: after a forward has evicted the caches, a compiled call's entry
-    costs about half a microsecond an array argument, and the two share
-    most of theirs. Returns (cut drafts observed, rows the change detector
+    costs by its array arguments, and the two share most of theirs. Returns (cut drafts observed, rows the change detector
     reset, the rows' acceptance estimates, their bounds)."""
     peeks, changes = learn_step(
         rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec, ex,

@@ -245,16 +245,14 @@ class EstimatingController(DraftLengthController):
 
     # ------------------------------------------------------------ observe
     def observe(self, ctx: StepContext) -> Observation:
-        observation, verified = self._read(ctx)
-        if verified is not None:
-            self._learn_verified(ctx, verified, observation)
-        return observation
+        return self._learn(ctx, bound=True)
 
-    def _learn(self, ctx: StepContext) -> Observation:
-        """Bookkeeping, then learn from the drafts this step verified."""
+    def _learn(self, ctx: StepContext, bound: bool = False) -> Observation:
+        """Bookkeeping, then learn from the drafts this step verified (with
+        ``bound``, each request's ``max_length`` too: ``_learn_verified``)."""
         observation, verified = self._read(ctx)
         if verified is not None:
-            self._learn_verified(ctx, verified)
+            self._learn_verified(ctx, verified, observation if bound else None)
         return observation
 
     def _read(self, ctx: StepContext) -> tuple[Observation, tuple | None]:
