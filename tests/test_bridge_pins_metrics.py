@@ -105,7 +105,8 @@ def test_stat_logger_manager_hands_each_engines_stats_to_its_loggers(installed, 
     assert value("steps", "1") == 0.0  # registered at start for our method
     for _ in range(2):
         stats = SchedulerStats()
-        stats.vllm_plugins = {"steps": {"": 3}, "source_errors": {"ngram": 1}}
+        stats.vllm_plugins = {"steps": {"": 3}, "not_a_metric": {"": 1},
+                              "source_errors": {"ngram": 1}}
         manager.record(scheduler_stats=stats, iteration_stats=None, engine_idx=1)
     manager.record(scheduler_stats=SchedulerStats(), iteration_stats=None, engine_idx=0)
     assert value("steps", "1") == 6.0

@@ -20,14 +20,6 @@ from vllm_plugins.counted import Counted
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 
 
-def nested(flat):
-    """Flat totals as {metric: {label: total}}."""
-    out = {}
-    for (name, label), value in flat.items():
-        out.setdefault(name, {})[label] = value
-    return out
-
-
 def test_docs_list_every_metric_and_no_other():
     rows = re.findall(r"^\| `(vllm_plugins:\w+?)_total(?:\{(\w+)\})?` \|", DOC.read_text(),
                       flags=re.M)
@@ -49,16 +41,19 @@ def test_reports_carry_growth_that_adds_up_to_the_totals():
     state = RunnerState(proposer=Proposer())
     state.counters.steps = 4
     first = totals(state)
-    assert first[("steps", "")] == 4
-    assert first[("source_errors", "ngram")] == 2
-    assert "not_a_metric" not in nested(first)  # only declared metrics travel
+    assert first["steps"] == {"": 4}
+    assert first["source_errors"] == {"ngram": 2}
+    assert "not_a_metric" not in first  # only declared metrics travel
     state.counters.steps = 7
-    state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 1}
+    # A reporter that changes the dict it handed out: the totals kept are copies.
+    state.proposer.totals["source_errors"]["suffix"] = 1
     second = totals(state)
     grown = growth(second, first)
     assert grown == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
-    assert add(nested(first), grown)["steps"] == {"": 7}
+    assert add(first, grown)["steps"] == {"": 7}
     assert growth(second, second) == {}
+    # The first report: every total above zero.
+    assert growth({"steps": {"": 2}, "tree_steps": {"": 0}}, {}) == {"steps": {"": 2}}
 
 
 def test_proposers_declare_only_known_metrics():
@@ -78,7 +73,7 @@ def test_proposers_declare_only_known_metrics():
     assert {"rest_steps", "zero_draft_decisions"} <= set(hybrid.counters())  # goodput
     assert grammar.counters()["grammar_forced_tokens"] == {"": 0}
     hybrid.num_errors = 2
-    assert totals(RunnerState(proposer=hybrid))[("proposer_errors", "")] == 2
+    assert totals(RunnerState(proposer=hybrid))["proposer_errors"] == {"": 2}
 
 
 def test_the_scheduler_adds_grammar_failures_to_the_steps_stats():
@@ -110,10 +105,10 @@ class Processor(Counted):
 def test_logits_processors_counters_travel_without_a_proposer():
     state = RunnerState()  # a runner with only our grammar processor
     state.counters.steps = 5  # not ours to report: nothing of ours drafts
-    assert totals(state, [Processor(7), Processor(2)]) == {("awrs_evaluations", ""): 9}
+    assert totals(state, [Processor(7), Processor(2)]) == {"awrs_evaluations": {"": 9}}
     drafting = RunnerState(proposer=Proposer())
     both = totals(drafting, [Processor(3)])
-    assert both[("awrs_evaluations", "")] == 3 and both[("proposer_errors", "")] == 1
+    assert both["awrs_evaluations"] == {"": 3} and both["proposer_errors"] == {"": 1}
 
 
 def test_counted_processors_are_found_on_either_runner():
@@ -174,7 +169,7 @@ def test_the_worker_hook_reports_every_growth_once():
         if n == 3:
             state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 5}
         step(drafting)
-    grown = nested({key: total for key, total in totals(state).items() if total})
+    grown = growth(totals(state), {})
     assert reported == grown == {"steps": {"": 5}, "proposer_errors": {"": 1},
                                  "source_errors": {"ngram": 2, "suffix": 5}}
     assert step(drafting) is None   # nothing grew

@@ -179,3 +179,28 @@ def test_probability_rows_that_are_not_one_distribution_per_token_drop_that_draf
     # a step whose rows do not give one entry per request drafts nothing
     out, bad = drop_malformed(Drafts([[1], [2]], [None]), ["a", "b"], VOCAB)
     assert out.tokens == [[], []] and len(bad) == 2
+
+
+def test_lists_and_arrays_are_judged_alike():
+    """Lists of plain ints take a shortcut of Python's builtins; arrays take
+    the full check. Both agree on every draft, well formed or not."""
+    rng = np.random.default_rng(0)
+    judged = {True: 0, False: 0}
+    for _ in range(2000):
+        n = int(rng.integers(0, 8))
+        tokens = rng.integers(-2, VOCAB + 2, n).tolist()
+        parents = None
+        if rng.random() < 0.7:
+            # Mostly valid: each node's parent one of the earlier nodes or the root.
+            parents = [int(rng.integers(-1, k)) if k else -1 for k in range(n)]
+            if n and rng.random() < 0.3:
+                parents[int(rng.integers(0, n))] = int(rng.integers(-3, n + 2))
+            if rng.random() < 0.05:
+                parents = parents[:-1]
+        as_arrays = (np.array(tokens, np.int64),
+                     None if parents is None else np.array(parents, np.int64))
+        got = draft_problem(tokens, parents, VOCAB, max_draft=6)
+        want = draft_problem(*as_arrays, VOCAB, max_draft=6)
+        assert (got is None) == (want is None), (tokens, parents, got, want)
+        judged[got is None] += 1
+    assert min(judged.values()) > 200   # both verdicts were tried

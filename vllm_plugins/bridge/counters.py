@@ -102,33 +102,36 @@ METRICS: tuple[Metric, ...] = (
 BY_NAME = {m.name: m for m in METRICS}
 
 Snapshot = dict[str, dict[str, int]]
-#: The same, flat: (metric, label value) -> total, as each step compares it.
-Totals = dict[tuple[str, str], int]
 
 
-def totals(state: Any, processors: Iterable[Counted] = ()) -> Totals:
+def totals(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
     """Totals of one ``RunnerState`` (its step counters and its proposer's,
-    where it has one) and of the runner's ``Counted`` logits processors,
-    flat: read after every step, so no nested dict is built for them."""
-    out: Totals = {}
+    where it has one) and of the runner's ``Counted`` logits processors, as
+    fresh dicts (a reporter may hand out its own, and change them later):
+    read after every step, so in the shape they are reported in, which
+    ``growth`` compares a metric at a time."""
+    out: Snapshot = {}
     proposer = state.proposer
     if proposer is not None:
         c = state.counters
-        out = {("steps", ""): c.steps, ("malformed_drafts", ""): c.malformed_drafts,
-               ("tree_steps", ""): c.tree_steps, ("tree_requests", ""): c.tree_requests,
-               ("kv_moved_tokens", ""): c.kv_moved}
+        out = {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
+               "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
+               "kv_moved_tokens": {"": c.kv_moved}}
         _add_declared(out, proposer.counters())
     for counted in processors:
         _add_declared(out, counted.counters())
     return out
 
 
-def _add_declared(out: Totals, reported: Snapshot) -> None:
+def _add_declared(out: Snapshot, reported: Snapshot) -> None:
     for name, values in reported.items():
-        if name in BY_NAME:
-            for label, value in values.items():
-                key = (name, label)
-                out[key] = out.get(key, 0) + int(value)
+        if name not in BY_NAME:
+            continue
+        have = out.get(name)
+        if have is None:
+            have = out[name] = {}
+        for label, value in values.items():
+            have[label] = have.get(label, 0) + int(value)
 
 
 def counted_processors(runner: Any) -> tuple[Counted, ...]:
@@ -154,19 +157,22 @@ def any_counted(processors: Iterable[Counted]) -> bool:
                for v in values.values())
 
 
-def growth(now: Totals, before: Totals) -> Snapshot:
-    """What grew from ``before`` to ``now`` (counters never shrink), nested
-    as the step's output carries it: one pass, after every step."""
+def growth(now: Snapshot, before: Snapshot) -> Snapshot:
+    """What grew from ``before`` to ``now`` (counters never shrink): a
+    metric whose totals are unchanged is passed over in one comparison of
+    its dicts, which is most of them on most steps."""
     grown: Snapshot = {}
-    for key, value in now.items():
-        more = value - before.get(key, 0)
-        if more > 0:
-            name, label = key
-            values = grown.get(name)
-            if values is None:
-                grown[name] = {label: more}
-            else:
-                values[label] = more
+    for name, values in now.items():
+        last = before.get(name)
+        if values == last:
+            continue
+        more = {}
+        for label, value in values.items():
+            was = last.get(label, 0) if last is not None else 0
+            if value > was:
+                more[label] = value - was
+        if more:
+            grown[name] = more
     return grown
 
 

@@ -45,6 +45,10 @@ class PluginStatLogger(AggregateStatLoggerBase):
         self.model_name = vllm_config.model_config.served_model_name
         self.engine_indexes = list(engine_indexes)
         self.counters: dict[str, Counter] = {}
+        # (metric, engine index, label value) -> its labelled series:
+        # Prometheus's own lookup builds and checks the label tuple each
+        # time, and every step reports a dozen series.
+        self.series: dict[tuple[str, int, str], object] = {}
         ours = getattr(vllm_config.speculative_config, PLUGIN_OPTIONS_ATTR, None)
         if ours is not None:
             for metric in METRICS:
@@ -67,16 +71,27 @@ class PluginStatLogger(AggregateStatLoggerBase):
         grown = getattr(scheduler_stats, STATS_FIELD, None) if scheduler_stats else None
         if not grown:
             return
+        known = self.series
         for name, values in grown.items():
-            metric = BY_NAME.get(name)
-            if metric is None:
-                continue
-            counter = self._counter(metric)
             for label, value in values.items():
-                series = (counter.labels(self.model_name, str(engine_idx), label)
-                          if metric.label else
-                          counter.labels(self.model_name, str(engine_idx)))
+                series = known.get((name, engine_idx, label))
+                if series is None:
+                    series = self._series(name, engine_idx, label)
+                    if series is None:
+                        break
                 series.inc(value)
+
+    def _series(self, name: str, engine_idx: int, label: str):
+        """The labelled series a report's value adds to, kept (None: not a
+        metric of ours)."""
+        metric = BY_NAME.get(name)
+        if metric is None:
+            return None
+        counter = self._counter(metric)
+        series = (counter.labels(self.model_name, str(engine_idx), label) if metric.label
+                  else counter.labels(self.model_name, str(engine_idx)))
+        self.series[(name, engine_idx, label)] = series
+        return series
 
     def log_engine_initialized(self):
         pass
