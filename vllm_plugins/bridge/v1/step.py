@@ -89,12 +89,17 @@ def build_context(runner, state: RunnerState, scheduler_output,
         n = int(batch.num_tokens_no_spec[i])
         context = batch.token_ids_cpu[i, :n]
         num_draft = int(num_draft_all[i])
-        drafts = (draft_ids_flat[draft_off:draft_off + num_draft]
-                  if draft_ids_flat is not None else np.zeros(0, np.int64))
-        draft_off += num_draft
         base = n - len(accepted)  # tokens before this step's output
-        prev = context[base - 1:base] if base > 0 else np.zeros(0, np.int64)
-        verified = np.concatenate([prev.astype(np.int64), drafts.astype(np.int64)])
+        # The last token before this step's output (none at the first), then
+        # the drafts, written into one array: no array is made to be joined.
+        first = 1 if base > 0 else 0
+        drafts = (draft_ids_flat[draft_off:draft_off + num_draft]
+                  if draft_ids_flat is not None else ())
+        draft_off += num_draft
+        verified = np.empty(first + len(drafts), np.int64)
+        if first:
+            verified[0] = context[base - 1]
+        verified[first:] = drafts
         rows = slice(row, row + num_draft + 1)
         row += num_draft + 1
         ids = lps = None
