@@ -100,10 +100,10 @@ def greedy_accept(parents: Sequence[Sequence[int] | None],
     goes, so greedy output stays token for token that of decoding without
     drafts. Among equally long paths (only possible when siblings repeat a
     token) the first sibling in node order wins at each level.
-    ``target_argmax``: argmax ids per packed row, or the rows themselves
-    ([rows, vocab], argmax taken here).
+    ``target_argmax``: argmax ids per packed row (a tensor, or a host
+    array), or the rows themselves ([rows, vocab], argmax taken here).
     """
-    if target_argmax.ndim == 2:
+    if isinstance(target_argmax, torch.Tensor) and target_argmax.ndim == 2:
         target_argmax = first_argmax(target_argmax)
     best = target_argmax.tolist()  # one transfer for the whole step
     out = []
@@ -111,23 +111,22 @@ def greedy_accept(parents: Sequence[Sequence[int] | None],
         toks = [int(t) for t in tokens[r]]
         par = _parents_of(parents, r, len(toks))
         n = len(toks)
-        # match[i]: node i is the target's argmax at its parent's row.
-        match = [toks[i] == best[start + par[i] + 1] for i in range(n)]
-        # Longest all-matching run from each node down (0 if it misses),
-        # filled leaves first: children have larger indices.
-        run = [0] * n
-        kids = children(par)
+        # Leaves first (children have larger indices): a matching node's run
+        # is 1 + its best child's; each row keeps its best matching child,
+        # the first in node order among equal runs (visited last here). One
+        # loop of plain operations: it runs for every tree, every step.
+        best_run = [0] * (n + 1)     # by row: row 0 the root, row i + 1 node i
+        best_child = [-1] * (n + 1)
         for i in range(n - 1, -1, -1):
-            if match[i]:
-                run[i] = 1 + max((run[c] for c in kids[i + 1]), default=0)
+            if toks[i] == best[start + par[i] + 1]:
+                run = 1 + best_run[i + 1]
+                if run >= best_run[par[i] + 1]:
+                    best_run[par[i] + 1] = run
+                    best_child[par[i] + 1] = i
         nodes, row = [], 0
-        while True:
-            candidates = [c for c in kids[row] if run[c] > 0]
-            if not candidates:
-                break
-            node = max(candidates, key=lambda c: (run[c], -c))
-            nodes.append(node)
-            row = node + 1
+        while best_child[row] >= 0:
+            row = best_child[row] + 1
+            nodes.append(row - 1)
         out.append(TreeAcceptance(nodes, [toks[i] for i in nodes] + [best[start + row]]))
     return out
 

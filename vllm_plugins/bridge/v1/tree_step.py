@@ -454,10 +454,10 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
 
     if greedy:
         argmax = [acceptance.first_argmax(rows(i)) if top1 is None or top1[i] is None
-                  else torch.from_numpy(top1[i]) for i in greedy]
+                  else top1[i] for i in greedy]
         got = acceptance.greedy_accept(
             [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy],
-            argmax[0] if len(argmax) == 1 else torch.cat(argmax))
+            argmax[0] if len(argmax) == 1 else torch.cat([torch.as_tensor(a) for a in argmax]))
         for i, a in zip(greedy, got):
             out[i] = a
     if sampled:
