@@ -206,8 +206,9 @@ def learn_bound_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen
                      bound_threshold, gap, max_backoff, max_draft, zero_streak, conf_seen):
     """``learn_step``, then ``bound_step`` on the learned estimates, in one
     call: after a forward has evicted the caches, a compiled call's entry
-    costs by its array arguments, and the two share most of theirs. Returns (cut drafts observed, rows the change detector
-    reset, the rows' acceptance estimates, their bounds)."""
+    costs by its array arguments, and the two share most of theirs. Returns
+    (cut drafts observed, rows the change detector reset, the rows'
+    acceptance estimates, their bounds)."""
     peeks, changes = learn_step(
         rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec, ex,
         cut_token, cut_at, probing, probe_level,

@@ -102,6 +102,7 @@ METRICS: tuple[Metric, ...] = (
 BY_NAME = {m.name: m for m in METRICS}
 
 Snapshot = dict[str, dict[str, int]]
+_NOTHING: dict[str, int] = {}   # a metric not reported before (never written)
 
 
 def totals(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
@@ -163,12 +164,12 @@ def growth(now: Snapshot, before: Snapshot) -> Snapshot:
     its dicts, which is most of them on most steps."""
     grown: Snapshot = {}
     for name, values in now.items():
-        last = before.get(name)
+        last = before.get(name, _NOTHING)
         if values == last:
             continue
         more = {}
         for label, value in values.items():
-            was = last.get(label, 0) if last is not None else 0
+            was = last.get(label, 0)
             if value > was:
                 more[label] = value - was
         if more:

@@ -77,7 +77,7 @@ def _well_formed_lists(tokens, parents, vocab_size: int | None,
     every step checks every request's draft, and the arrays and reductions
     of the full check cost tens of microseconds after a forward. False
     where anything is off or not plain: the full check then names it."""
-    if type(tokens) is not list or not set(map(type, tokens)) <= _PLAIN_INT:
+    if type(tokens) is not list or not _plain_ints(tokens):
         return False
     n = len(tokens)
     if max_draft is not None and n > max_draft:
@@ -86,11 +86,18 @@ def _well_formed_lists(tokens, parents, vocab_size: int | None,
         return False
     if parents is None:
         return True
-    if type(parents) is not list or len(parents) != n \
-            or not set(map(type, parents)) <= _PLAIN_INT:
+    if type(parents) is not list or len(parents) != n or not _plain_ints(parents):
         return False
     # parents[k] in [-1, k): the root or an earlier node.
     return not n or (min(parents) >= -1 and all(map(int.__lt__, parents, range(n))))
+
+
+def _plain_ints(values) -> bool:
+    """Whether every entry is a plain ``int`` (not a bool, not a numpy
+    integer): what proposers hand over, told apart by the entries' types in
+    one C pass, where a check against ``numbers.Integral`` costs about a
+    third of a microsecond an entry, every step, for every request."""
+    return set(map(type, values)) <= _PLAIN_INT
 
 
 def rows_problem(probs, ids: np.ndarray, vocab_size: int | None) -> str | None:
@@ -127,10 +134,7 @@ def _integers(values) -> np.ndarray | None:
         return values.astype(np.int64) if values.ndim == 1 and values.dtype.kind in "iu" \
             else None
     values = list(values)
-    # Lists of plain ints (what proposers hand over) are told apart by their
-    # types in one C pass; a check against ``numbers.Integral`` costs about a
-    # third of a microsecond an entry, every step, for every request.
-    if not set(map(type, values)) <= _PLAIN_INT and not all(
+    if not _plain_ints(values) and not all(
             isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
         return None
     try:
