@@ -12,7 +12,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from vllm_plugins.bridge.counters import (
-    METRICS, PREFIX, add, counted_processors, growth, totals,
+    METRICS, PREFIX, add, counted_processors, take_growth, totals,
 )
 from vllm_plugins.bridge.state import RunnerState
 from vllm_plugins.counted import Counted
@@ -40,20 +40,34 @@ class Proposer:
 def test_reports_carry_growth_that_adds_up_to_the_totals():
     state = RunnerState(proposer=Proposer())
     state.counters.steps = 4
-    first = totals(state)
+    first = take_growth(state)
     assert first["steps"] == {"": 4}
     assert first["source_errors"] == {"ngram": 2}
     assert "not_a_metric" not in first  # only declared metrics travel
+    assert "tree_steps" not in first  # a total of zero grew nothing
     state.counters.steps = 7
-    # A reporter that changes the dict it handed out: the totals kept are copies.
+    # A reporter that changes the dict it handed out: the reports kept are copies.
     state.proposer.totals["source_errors"]["suffix"] = 1
-    second = totals(state)
-    grown = growth(second, first)
-    assert grown == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
-    assert add(first, grown)["steps"] == {"": 7}
-    assert growth(second, second) == {}
-    # The first report: every total above zero.
-    assert growth({"steps": {"": 2}, "tree_steps": {"": 0}}, {}) == {"steps": {"": 2}}
+    second = take_growth(state)
+    assert second == {"steps": {"": 3}, "source_errors": {"suffix": 1}}
+    assert take_growth(state) == {}
+    assert add(add({}, first), second) == grown_from_zero(totals(state))
+
+
+def grown_from_zero(snapshot):
+    return {name: {label: v for label, v in values.items() if v}
+            for name, values in snapshot.items() if any(values.values())}
+
+
+def test_a_replaced_reporter_reports_from_zero_and_leaves_no_record():
+    state = RunnerState()
+    old, new = Processor(5), Processor(2)
+    assert take_growth(state, [old]) == {"awrs_evaluations": {"": 5}}
+    old.evaluations = 6
+    assert take_growth(state, [new]) == {"awrs_evaluations": {"": 2}}
+    assert [kept for kept, _ in state.counters_reported.values()] == [new]
+    new.evaluations = 3
+    assert take_growth(state, [new]) == {"awrs_evaluations": {"": 1}}
 
 
 def test_proposers_declare_only_known_metrics():
@@ -169,7 +183,6 @@ def test_the_worker_hook_reports_every_growth_once():
         if n == 3:
             state.proposer.totals["source_errors"] = {"ngram": 2, "suffix": 5}
         step(drafting)
-    grown = growth(totals(state), {})
-    assert reported == grown == {"steps": {"": 5}, "proposer_errors": {"": 1},
+    assert reported == grown_from_zero(totals(state)) == {"steps": {"": 5}, "proposer_errors": {"": 1},
                                  "source_errors": {"ngram": 2, "suffix": 5}}
     assert step(drafting) is None   # nothing grew

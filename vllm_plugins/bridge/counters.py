@@ -3,7 +3,7 @@
 They travel vLLM's own stat path, the one its ``spec_decode`` counters take:
 
   worker        ``Worker.sample_tokens`` (patch ``worker.step_reports``,
-                ``bridge/worker_report.py``): ``totals(state)`` reads the
+                ``bridge/worker_report.py``): ``take_growth`` reads the
                 runner's ``RunnerState``; what grew since the last report
                 rides the step's ``ModelRunnerOutput`` as ``OUTPUT_ATTR``
   engine core   ``Scheduler.update_from_output`` puts it on the step's
@@ -20,10 +20,10 @@ step's stats adds that step's growth, so counters summed over API servers
 and over data-parallel engines are exact. The output rank's counters are
 read: tensor-parallel ranks draft alike (``bridge/ranks.py``).
 
-``totals`` takes a ``RunnerState`` and the runner's ``Counted`` logits
+``take_growth`` takes a ``RunnerState`` and the runner's ``Counted`` logits
 processors (``vllm_plugins/counted.py``), nothing else of the runner, so
 any adapter that keeps one (the V1 runner's, V2's) feeds the same path
-through ``take_growth``. An engine that runs only our grammar processor
+through it. An engine that runs only our grammar processor
 reports its counters too, from its first count on (a state without a proposer keeps
 the last report; until then the engine holds nothing of ours).
 """
@@ -107,17 +107,12 @@ _NOTHING: dict[str, int] = {}   # a metric not reported before (never written)
 
 def totals(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
     """Totals of one ``RunnerState`` (its step counters and its proposer's,
-    where it has one) and of the runner's ``Counted`` logits processors, as
-    fresh dicts (a reporter may hand out its own, and change them later):
-    read after every step, so in the shape they are reported in, which
-    ``growth`` compares a metric at a time."""
+    where it has one) and of the runner's ``Counted`` logits processors, in
+    fresh dicts: what ``take_growth``'s reports add up to."""
     out: Snapshot = {}
     proposer = state.proposer
     if proposer is not None:
-        c = state.counters
-        out = {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
-               "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
-               "kv_moved_tokens": {"": c.kv_moved}}
+        out = _step_counters(state.counters)
         _add_declared(out, proposer.counters())
     for counted in processors:
         _add_declared(out, counted.counters())
@@ -158,25 +153,6 @@ def any_counted(processors: Iterable[Counted]) -> bool:
                for v in values.values())
 
 
-def growth(now: Snapshot, before: Snapshot) -> Snapshot:
-    """What grew from ``before`` to ``now`` (counters never shrink): a
-    metric whose totals are unchanged is passed over in one comparison of
-    its dicts, which is most of them on most steps."""
-    grown: Snapshot = {}
-    for name, values in now.items():
-        last = before.get(name, _NOTHING)
-        if values == last:
-            continue
-        more = {}
-        for label, value in values.items():
-            was = last.get(label, 0)
-            if value > was:
-                more[label] = value - was
-        if more:
-            grown[name] = more
-    return grown
-
-
 def add(total: Snapshot, more: Snapshot) -> Snapshot:
     for name, values in more.items():
         merged = total.setdefault(name, {})
@@ -188,12 +164,55 @@ def add(total: Snapshot, more: Snapshot) -> Snapshot:
 def take_growth(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
     """What ``state``'s counters (and ``processors``') grew since the last
     call, which it marks as reported: for a step whose output reaches the
-    scheduler."""
-    now = totals(state, processors)
-    grown = growth(now, state.counters_reported)
-    if grown:
-        state.counters_reported = now
+    scheduler. Each reporter is compared with its own last report, a metric
+    at a time, and no totals are built: an unchanged metric, most of them
+    on most steps, costs one dict comparison. The reports add up to
+    ``totals``; a reporter that goes (a replaced input batch's processors)
+    takes its last report with it, and a new one reports from zero."""
+    last = state.counters_reported
+    grown: Snapshot = {}
+    reporters = 0
+    proposer = state.proposer
+    if proposer is not None:
+        _grow(grown, last, state.counters, _step_counters(state.counters))
+        _grow(grown, last, proposer, proposer.counters())
+        reporters = 2
+    for counted in processors:
+        _grow(grown, last, counted, counted.counters())
+        reporters += 1
+    if len(last) > reporters:
+        keep = {id(state.counters), id(proposer), *map(id, processors)}
+        for key in [key for key in last if key not in keep]:
+            del last[key]
     return grown
+
+
+def _step_counters(c: Any) -> Snapshot:
+    return {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
+            "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
+            "kv_moved_tokens": {"": c.kv_moved}}
+
+
+def _grow(grown: Snapshot, last: dict, reporter: Any, reported: Snapshot) -> None:
+    """Adds what ``reported`` grew since ``reporter``'s last report to
+    ``grown``, and keeps a copy of each changed metric (a reporter may hand
+    out its own dicts and change them later)."""
+    kept = last.get(id(reporter))
+    if kept is None or kept[0] is not reporter:
+        kept = last[id(reporter)] = (reporter, {})
+    before = kept[1]
+    for name, values in reported.items():
+        was_values = before.get(name, _NOTHING)
+        if values == was_values or name not in BY_NAME:
+            continue
+        more = grown.get(name)
+        for label, value in values.items():
+            was = was_values.get(label, 0)
+            if value > was:
+                if more is None:
+                    more = grown[name] = {}
+                more[label] = more.get(label, 0) + int(value - was)
+        before[name] = dict(values)
 
 
 def runner_growth(runner: Any) -> Snapshot:
