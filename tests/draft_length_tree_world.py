@@ -27,9 +27,12 @@ class Cost:
     per_token: float
     tree_step: float = 0.0
     noise: float = 0.02
+    tree_token: float = 0.0   # what each token of a tree step costs beyond a chain's
 
     def seconds(self, tokens: int, tree: bool, rng) -> float:
-        t = self.intercept + self.per_token * tokens + (self.tree_step if tree else 0.0)
+        t = self.intercept + self.per_token * tokens
+        if tree:
+            t += self.tree_step + self.tree_token * tokens
         return t * (1.0 + self.noise * rng.standard_normal())
 
 

@@ -55,8 +55,8 @@ def test_controller_reads_node_outcomes_of_the_tree_it_sent():
 
 # ------------------------------------------------------- the choice of shape
 
-def _shapes(cost, steps=300, **world):
-    c = tree_controller(16)
+def _shapes(cost, steps=300, tree_cost="token", **world):
+    c = tree_controller(16, tree_cost=tree_cost)
     w = TreeWorld(2, cost, nodes=16, **world)
     sent = run(c, w, steps)
     late = sent[steps // 2:]
@@ -72,9 +72,29 @@ def test_trees_where_verified_tokens_are_nearly_free():
 
 
 def test_chains_where_the_tree_step_costs_much():
-    c, tree_share, nodes = _shapes(Cost(0.02, 0.00002, 0.05))
+    c, tree_share, nodes = _shapes(Cost(0.02, 0.00002, 0.05), tree_cost="step")
     assert tree_share < 0.1, tree_share
     assert c.stats()["cost_model"]["tree_step_s"] == pytest.approx(0.05, rel=0.3)
+
+
+def test_chains_where_each_tree_token_costs_much():
+    """Tree rows dearer than chain tokens, token for token (this CPU's tree
+    attention and gathers): the default fit finds the extra per token and
+    the rule lays the trees' best paths out as chains."""
+    c, tree_share, nodes = _shapes(Cost(0.02, 0.00002, tree_token=0.004))
+    assert tree_share < 0.1, tree_share
+    model = c.stats()["cost_model"]
+    assert model["tree_token_s"] == pytest.approx(0.004, rel=0.3)
+    assert model["tree_step_s"] == 0.0
+
+
+def test_a_tree_token_cost_that_pays_keeps_trees_but_fewer_nodes():
+    """A tree token a little dearer than a chain's: trees still pay where
+    the world branches, with fewer nodes than when its tokens cost a chain's."""
+    _, share_even, even = _shapes(Cost(0.02, 0.0004, 0.0))
+    _, share_dear, dear = _shapes(Cost(0.02, 0.0004, tree_token=0.0004))
+    assert share_even > 0.9 and share_dear > 0.5, (share_even, share_dear)
+    assert dear < 0.9 * even, (dear, even)
 
 
 def test_chains_where_each_token_costs_much():

@@ -79,17 +79,20 @@ def test_both_shapes_in_one_call_equals_two_allocations(seed):
     a, b = float(rng.uniform(0.5, 2)), float(rng.uniform(0.001, 0.5))
     verify, tree_s = float(rng.choice([0.0, 0.1])), float(rng.choice([0.0, 0.05, 0.3]))
     shape_s = float(rng.choice([0.0, 0.2]))
+    token_s = float(rng.choice([0.0, 0.002, 0.02]))
     sizes = (None, np.zeros(0, np.int64),
              rng.integers(1, batch * (width + 1) + 1, 4))[seed % 3]
-    as_tree = goodput_allocation(q, valid, a, b, verify + tree_s, shape_s, sizes)
+    as_tree = goodput_allocation(q, valid, a, b + token_s, verify + tree_s, shape_s, sizes)
     as_chain = goodput_allocation(q_chain, valid_chain, a, b, verify, shape_s, sizes)
     want = (*as_tree, TREE) if as_tree[1] > as_chain[1] else (*as_chain, CHAIN)
-    got = tree_allocation(q, valid, q_chain, valid_chain, a, b, verify, tree_s, shape_s, sizes)
+    got = tree_allocation(q, valid, q_chain, valid_chain, a, b, verify, tree_s, shape_s, sizes,
+                          token_s)
     assert got[0].tolist() == want[0].tolist() and got[1:] == want[1:]
     # The compiled call itself, with the arguments the wrapper gives it.
     warm = np.zeros(0, np.int64) if sizes is None or shape_s <= 0 else sizes
     keep, goodput, tokens, tree = _both_shapes(q, valid, q_chain, valid_chain, a, b, verify,
-                                               tree_s, shape_s, warm, sizes is not None)
+                                               tree_s, shape_s, warm, sizes is not None,
+                                               token_s)
     assert keep.tolist() == want[0].tolist() and (goodput, tokens) == want[1:3]
     assert (TREE if tree else CHAIN) == want[3]
 

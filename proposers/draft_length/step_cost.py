@@ -17,6 +17,7 @@ COST_OPTIONS = (
     choice("cost_features", "tokens+batch", ("tokens", "tokens+batch", "tokens+batch+context")),
     flag("verify_step_cost", True),
     flag("tree_step_cost", True),
+    choice("tree_cost", "token", ("token", "step")),
     integer("shape_cache", 32, 0, 4096,
             rule="an integer in [0, 4096] (0: no new-shape cost)"),
     integer("cost_window", 256, 8, 65536),
@@ -30,7 +31,8 @@ class StepCostModel:
 
         t(step) ~= a + b * tokens (+ c * batch) (+ d * context)
                    (+ verify_step_s * verifies) (+ new_shape_s * new_shape)
-                   (+ tree_step_s * tree), all coefficients >= 0
+                   (+ tree_token_s * tree_tokens  or  + tree_step_s * tree),
+                   all coefficients >= 0
 
     ``context`` (``cost_features: "tokens+batch+context"``) is the step's
     committed tokens over all its requests: attention reads them all, so a
@@ -52,10 +54,17 @@ class StepCostModel:
       against a cached one). A rule blind to this spreads the step's token
       count over many values and pays it again and again (a GPU with CUDA
       graphs has the same kind of cost for sizes off its captured set).
-    - ``tree`` is 1 for a step that verified at least one draft tree that is
-      not a chain: the bridge plans the step's ancestry masks, computes
-      those requests' attention rows with them instead of vLLM's op,
-      accepts by path and moves the accepted nodes' K/V.
+    - A step that verified at least one draft tree that is not a chain: the
+      bridge plans the step's ancestry masks, computes those requests'
+      attention rows with them instead of vLLM's op, accepts by path and
+      moves the accepted nodes' K/V. With ``tree_cost: "token"`` (the
+      default) ``tree_tokens`` is that step's token count and
+      ``tree_token_s`` what each costs beyond a chain's token: a tree row's
+      attention and its share of the gathers grow with the rows, and a
+      step term alone leaves that extra in the one slope chains and trees
+      share, which then prices a chain token as dear as a tree node and a
+      big tree as cheap as a small one. With ``"step"``, ``tree`` is 1 and
+      ``tree_step_s`` a fixed extra per tree step.
 
     Fitted by least squares over the last ``window`` (tokens, batch,
     verifies, new_shape, tree, seconds) observations (a ring buffer), with one round of
@@ -81,13 +90,17 @@ class StepCostModel:
     def __init__(self, *, cost_features: str = "tokens+batch", cost_window: int = 256,
                  warmup: int = 16, prior_token_cost: float = 0.001,
                  verify_step_cost: bool = True, shape_cache: int = 32,
-                 tree_step_cost: bool = True, refit_every: int = 4, **_: Any):
+                 tree_step_cost: bool = True, refit_every: int = 4, tree_cost: str = "step",
+                 **_: Any):
         self.refit_every = int(refit_every)
         self.use_batch = cost_features in ("tokens+batch", "tokens+batch+context")
         self.use_context = cost_features == "tokens+batch+context"
         self.context_now = 0.0      # the step being decided: its committed tokens
         self.use_verify_step = verify_step_cost
         self.use_tree_step = tree_step_cost
+        # "token": the tree column holds a tree step's tokens, and its
+        # coefficient is tree_token_s; "step": it holds 1, and tree_step_s.
+        self.tree_per_token = tree_cost == "token"
         self.use_shape = shape_cache > 0
         self.window = cost_window
         self.warmup = warmup
@@ -117,6 +130,7 @@ class StepCostModel:
         self.verify_step_s = 0.0       # extra fixed cost of a verifying step
         self.new_shape_s = 0.0         # extra cost of a step with a new token count
         self.tree_step_s = 0.0         # extra cost of a step that verifies a tree
+        self.tree_token_s = 0.0        # extra cost of each token of such a step
         self._warm = False
         self._rmse = float("nan")
         self._outliers = 0
@@ -146,7 +160,7 @@ class StepCostModel:
         x[row + 1] = batch
         x[row + 2] = verifies
         x[row + 3] = float(new_shape)
-        x[row + 4] = tree
+        x[row + 4] = tree * tokens if self.tree_per_token else tree
         x[row + 5] = context
         self._y_flat[pos] = seconds
         self._pos = (pos + 1) % self.window
@@ -197,7 +211,7 @@ class StepCostModel:
         out = {"per_context_token_s": d} if self.use_context else {}
         return {"intercept_s": a, "per_token_s": b, "per_request_s": c, **out,
                 "verify_step_s": self.verify_step_s, "new_shape_s": self.new_shape_s,
-                "tree_step_s": self.tree_step_s,
+                "tree_step_s": self.tree_step_s, "tree_token_s": self.tree_token_s,
                 "warm": self._warm, "observations": self.num_observed,
                 "window": self._len,
                 "rmse_s": None if math.isnan(self._rmse) else self._rmse,
@@ -218,7 +232,8 @@ class StepCostModel:
         used = self._used
         used[:] = (self.use_verify_step, self.use_shape, self.use_tree_step)
         last = self._last
-        last[:] = (self.verify_step_s, self.new_shape_s, self.tree_step_s)
+        last[:] = (self.verify_step_s, self.new_shape_s,
+                   self.tree_token_s if self.tree_per_token else self.tree_step_s)
         got = self._got
         status, codes, dropped, rmse, slope_se = refit(
             self._x, self._y, n, self.use_batch, self.use_context, used, last,
@@ -237,7 +252,10 @@ class StepCostModel:
         if NEW_SHAPE in fitted:
             self.new_shape_s = shape
         if TREE in fitted:
-            self.tree_step_s = tree
+            if self.tree_per_token:
+                self.tree_token_s = tree
+            else:
+                self.tree_step_s = tree
         self._warm = True
 
     def _refit_numpy(self, n: int, got: np.ndarray):

@@ -56,9 +56,10 @@ def design(window, seconds, n, use_batch, use_context, used, last, min_mode):
     """(design matrix, seconds less the step terms not fitted, column
     codes) over the window's first ``n`` rows; no columns while the token
     count has not varied. ``window`` columns: tokens, batch, verifies,
-    new_shape, tree, context; ``used``/``last``: per step term (verifies,
-    new_shape, tree) whether it may be fitted and its last estimate, which
-    corrects the seconds of the few flagged steps while it is not."""
+    new_shape, tree (1, or the step's tokens), context; ``used``/``last``:
+    per step term (verifies, new_shape, tree) whether it may be fitted and
+    its last estimate, which corrects the seconds of the few steps it is
+    non-zero on while it is not."""
     tok = window[:n, 0]
     codes = np.empty(7, np.int64)
     lo = hi = tok[0]
@@ -82,7 +83,7 @@ def design(window, seconds, n, use_batch, use_context, used, last, min_mode):
         col = 2 + t
         ones = 0.0
         for i in range(n):
-            ones += window[i, col]
+            ones += 1.0 if window[i, col] != 0.0 else 0.0
         if used[t] and min(ones, n - ones) >= min_mode and independent(tok, window[:n, col]):
             codes[p] = VERIFY + t
             p += 1

@@ -9,8 +9,9 @@ sum of q over the kept nodes (the accepted length is the number of kept
 nodes on the accepted path). q never grows down a path, so the M nodes of
 highest q are closed under ancestors and ``goodput_allocation`` applies
 over nodes ranked by q. Each step weighs two shapes: the ranked nodes as a
-tree, whose step pays the fitted ``tree_step_s`` (the bridge's masked
-attention rows and K/V moves), and each tree's best path re-laid as a
+tree, whose tokens each pay the fitted ``tree_token_s`` beyond a chain's
+(the bridge's masked attention rows and K/V moves; ``tree_step_s`` a step
+with ``tree_cost: "step"``), and each tree's best path re-laid as a
 chain, which vLLM verifies on its own path. Where verified tokens are
 nearly free (a GPU) trees grow; where each costs nearly a token's forward
 (this CPU) the rule keeps what pays, down to a chain or nothing.
@@ -46,8 +47,8 @@ _NO_EDGES = np.zeros(0)
 def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
                     valid_chain: np.ndarray, intercept: float, slope: float,
                     verify_step_s: float = 0.0, tree_step_s: float = 0.0,
-                    new_shape_s: float = 0.0, warm_tokens: np.ndarray | None = None
-                    ) -> tuple[np.ndarray, float, float, str]:
+                    new_shape_s: float = 0.0, warm_tokens: np.ndarray | None = None,
+                    tree_token_s: float = 0.0) -> tuple[np.ndarray, float, float, str]:
     """The better of the step's two shapes: (kept per row, expected
     goodput, expected tokens, ``TREE`` or ``CHAIN``).
 
@@ -55,11 +56,12 @@ def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
     tree row's nodes ranked by path probability (``select.rank_nodes``), a
     chain row's drafts; ``q_chain``/``valid_chain``: the same with each tree
     row replaced by its best path (``select.best_path``). The tree shape pays
-    ``tree_step_s`` on top of ``verify_step_s``. Exact over every choice of
+    ``tree_step_s`` on top of ``verify_step_s`` and ``tree_token_s`` on top of
+    the slope for each of its tokens. Exact over every choice of
     node sets closed under ancestors whose rows that keep a path keep their
     best path's: a tree allocation that keeps only paths keeps the best
     paths (the M nodes of highest q form a path only along it), which the
-    chain allocation prices without the tree term, so charging the term to
+    chain allocation prices without the tree terms, so charging them to
     every tree allocation never loses the optimum.
     """
     warm = _NO_SIZES if warm_tokens is None or new_shape_s <= 0 else warm_tokens
@@ -67,19 +69,20 @@ def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
         np.ascontiguousarray(q, np.float64), np.ascontiguousarray(valid, np.bool_),
         np.ascontiguousarray(q_chain, np.float64), np.ascontiguousarray(valid_chain, np.bool_),
         float(intercept), float(slope), float(verify_step_s), float(tree_step_s),
-        float(new_shape_s), np.asarray(warm, np.int64), warm_tokens is not None)
+        float(new_shape_s), np.asarray(warm, np.int64), warm_tokens is not None,
+        float(tree_token_s))
     return keep, goodput, tokens, TREE if as_tree else CHAIN
 
 
 @cached_njit
 def _both_shapes(q, valid, q_chain, valid_chain, intercept, slope, verify_step_s, tree_step_s,
-                 new_shape_s, warm_tokens, shapes_known):
+                 new_shape_s, warm_tokens, shapes_known, tree_token_s):
     """``tree_allocation``'s two allocations (``goodput._allocation``) in one
     call: (kept per row, expected goodput, expected tokens, the tree shape
     won). One compiled call a step rather than two behind their wrappers'
     conversions."""
-    as_tree = _allocation(q, valid, intercept, slope, verify_step_s + tree_step_s,
-                          new_shape_s, warm_tokens, shapes_known)
+    as_tree = _allocation(q, valid, intercept, slope + tree_token_s,
+                          verify_step_s + tree_step_s, new_shape_s, warm_tokens, shapes_known)
     as_chain = _allocation(q_chain, valid_chain, intercept, slope, verify_step_s,
                            new_shape_s, warm_tokens, shapes_known)
     if as_tree[1] > as_chain[1]:
@@ -391,7 +394,7 @@ class TreeGoodputController(GoodputController):
                                       cost.new_shape_s, sizes)
         keep, goodput, tokens, step.mode = tree_allocation(
             q, valid, step.q_chain, step.valid_chain, intercept, slope, cost.verify_step_s,
-            cost.tree_step_s, cost.new_shape_s, sizes)
+            cost.tree_step_s, cost.new_shape_s, sizes, cost.tree_token_s)
         return keep, goodput, tokens
 
     def _tree_probe_due(self) -> bool:

@@ -224,7 +224,7 @@ def controller_markdown(rows: list[dict]) -> str:
     """One line per (batch size, method): how often k = 0, the k histogram,
     steps rested, and the learned step-time curve t = a + b*tokens + c*batch
     (+ d on a step that verifies drafts, + e on a step of a new token count,
-    + f on a step that verifies trees)."""
+    + f on a step that verifies trees, or + g a token of such a step)."""
     lines = ["| batch | method | decisions | k = 0 | mean k | k histogram (0..K) | "
              "explore steps | rest steps / steps | learned t(step) |",
              "|---:|---|---:|---:|---:|---|---:|---:|---|"]
@@ -236,7 +236,9 @@ def controller_markdown(rows: list[dict]) -> str:
             if cm.get("verify_step_s") is not None:
                 curve += (f"; verifying +{1e3 * cm['verify_step_s']:.1f} ms, "
                           f"new size +{1e3 * cm.get('new_shape_s', 0.0):.1f} ms")
-            if cm.get("tree_step_s") is not None:
+            if cm.get("tree_token_s"):
+                curve += f"; tree token +{1e3 * cm['tree_token_s']:.2f} ms"
+            elif cm.get("tree_step_s") is not None:
                 curve += f"; tree step +{1e3 * cm['tree_step_s']:.1f} ms"
         else:
             curve = "prior" if cm else ""
