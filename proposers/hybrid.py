@@ -267,13 +267,14 @@ class HybridProposer(PluginProposer):
             return Drafts(tokens, None, conf, parents)
         step = self.merger.merge_step(trees, counts, budgets, chains, self.calibrator,
                                       self.source_nodes)
-        for g in np.flatnonzero(step.status).tolist():
-            self._source_failed(trees[g][0], MergedStep.PROBLEMS[int(step.status[g])])
-        tok, par, cond = step.tokens.tolist(), step.parents.tolist(), \
-            step.cond.astype(np.float32)
-        chain_tok, chain_cond = step.chain_tok.tolist(), step.chain_cond.astype(np.float32)
-        for (i, r), a, m, c, chain in zip(rows, step.start.tolist(), step.n.tolist(),
-                                          step.chain_n.tolist(), chains):
+        status, starts, sizes, chain_sizes = step.lists()
+        if any(status):
+            for g, problem in enumerate(status):
+                if problem:
+                    self._source_failed(trees[g][0], MergedStep.PROBLEMS[problem])
+        tok, par, chain_tok = step.drafted()
+        cond, chain_cond = step.draft_cond
+        for (i, r), a, m, c, chain in zip(rows, starts, sizes, chain_sizes, chains):
             if m == 0:
                 continue
             self._merged[r.req_id] = MergedTree(step.trees, a, m, len(r.context))

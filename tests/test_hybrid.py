@@ -159,6 +159,40 @@ def test_suffix_source_gives_conditional_estimates_and_catches_up_on_skipped_ste
     assert "a" not in src.cache.active_requests
 
 
+@pytest.mark.skipif(not sources.suffix_available(), reason="arctic-inference not installed")
+def test_suffix_source_drafts_what_the_library_drafts_fed_plainly():
+    """Steps of one to several tokens, contexts shorter and longer than
+    the tree depth: the source's trees are those of a cache told the whole
+    prompt, then each step's new tokens, and matched against the context's
+    last ``max_tree_depth`` tokens."""
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    from vllm_plugins.proposers.sources.suffix import conditional
+
+    rng = np.random.default_rng(3)
+    opts = {"max_tree_depth": 5, "max_cached_requests": 16, "max_spec_factor": 4.0,
+            "min_token_prob": 0.0}
+    for trial in range(20):
+        src = sources.source_class("suffix")(opts, VOCAB, 8)
+        ref = SuffixDecodingCache(max_tree_depth=5, max_cached_requests=16)
+        ctx = [int(t) for t in rng.integers(0, 6, int(rng.integers(2, 9)))]
+        prompt = len(ctx)
+        ref.start_request("a", np.array(ctx, np.int32))
+        told = prompt
+        for _ in range(12):
+            t = src.propose(request(ctx, ctx[-1:], prompt=prompt), 8)
+            if len(ctx) > told:
+                ref.add_active_response("a", np.array(ctx[told:], np.int32))
+                told = len(ctx)
+            want = ref.speculate("a", np.array(ctx[-5:], np.int32), max_spec_tokens=8,
+                                 max_spec_factor=4.0, min_token_prob=0.0, use_tree_spec=True)
+            assert t.tokens.tolist() == want.token_ids, trial
+            assert t.parents.tolist() == want.parents, trial
+            assert t.confidence.tolist() == conditional(want.parents, want.probs), trial
+            ctx += [int(x) for x in rng.integers(0, 6, int(rng.integers(1, 4)))]
+        src.free("a")
+
+
 # ------------------------------------------------------- failing sources
 class BrokenSource(DraftSource):
     name = "broken"

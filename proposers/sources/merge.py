@@ -52,11 +52,14 @@ class MergeBuffers:
         self.next_sibling = np.zeros(nodes, np.int64)
         self.raw = np.zeros((nodes, sources), np.float64)
         self.new_index = np.zeros(nodes, np.int64)
-        self.out_tok = np.zeros(nodes, np.int64)
-        self.out_par = np.zeros(nodes, np.int64)
+        self.order = np.zeros(nodes, np.int64)
+        # The merged nodes' tokens, parents, best chains' tokens, source bits
+        # and depths: rows of one array, so a step's trees are kept in one
+        # copy (``StepTrees``) and its drafts listed in one call.
+        self.out_int = np.zeros((5, nodes), np.int64)
+        self.out_tok, self.out_par, self.chain_tok, self.out_mask, self.out_depth = \
+            self.out_int
         self.out_cond = np.zeros(nodes, np.float64)
-        self.out_mask = np.zeros(nodes, np.int64)
-        self.out_depth = np.zeros(nodes, np.int64)
         self.out_q = np.zeros(nodes, np.float64)
         self.out_raw = np.zeros((nodes, sources), np.float64)
         # One step's candidates, each request's valid trees compacted, and
@@ -66,34 +69,60 @@ class MergeBuffers:
         self.c_raw = np.zeros(nodes, np.float64)
         self.c_src = np.zeros(nodes, np.int64)
         self.c_seg = np.zeros(nodes, np.int64)
+        self.res = np.zeros(64, np.int64)
         self.chain_idx = np.zeros(nodes, np.int64)
-        self.chain_tok = np.zeros(nodes, np.int64)
         self.chain_cond = np.zeros(nodes, np.float64)
+        # The merged nodes' and the best chains' estimates as drafts carry them.
+        self.draft_cond = np.zeros((2, nodes), np.float32)
 
     def fits(self, nodes: int, sources: int) -> bool:
         return nodes <= self.nodes and sources <= self.sources
 
+    def results(self, size: int) -> np.ndarray:
+        """The merge's per-tree and per-request results (``_merge_step``'s
+        ``res``), ``size`` of them."""
+        if len(self.res) < size:
+            self.res = np.zeros(max(size, 2 * len(self.res)), np.int64)
+        return self.res[:size]
+
 
 @cached_njit
-def _merge_step(tok, par, raw, vocab, g_off, g_src, r_off, budget, want_chain, cal_s, cal_n,
-                cal_sd, cal_nd, strength, c_tok, c_par, c_raw, c_src, c_seg, local_depth,
-                m_map, m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child,
-                next_sibling, m_raw, new_index, out_tok, out_par, out_cond, out_mask,
-                out_depth, out_q, out_raw, chain_idx, chain_tok, chain_cond, status,
-                out_start, out_n, chain_n, node_count):
-    """A step's merge. Source tree g holds candidates ``g_off[g]:g_off[g+1]``
-    of source ``g_src[g]``; request r holds trees ``r_off[r]:r_off[r+1]``;
-    ``vocab``: token ids from it on break the contract (-1: unknown).
-    ``status[g]`` <- 0 for a tree that keeps the contract (``valid_tree``;
-    3: more nodes than the budget), and only those are merged (a tree
-    whose status comes in nonzero is skipped as it is). Request r's
-    merged nodes go to ``out_*[out_start[r]:][:out_n[r]]``; where
-    ``want_chain[r]``, its best chain's tokens and estimates to
-    ``chain_*[out_start[r]:][:chain_n[r]]``. ``node_count[s]`` += the merged
-    nodes source s proposed. Returns the number of merged nodes."""
+def _merge_step(tok, par, raw, vocab, meta, n_trees, cal_s, cal_n, cal_sd, cal_nd, strength,
+                c_tok, c_par, c_raw, c_src, c_seg, local_depth, m_map, m_tok, m_par, m_cond,
+                m_mask, m_depth, m_q, first_child, next_sibling, m_raw, new_index, order, out_tok,
+                out_par, out_cond, out_mask, out_depth, out_q, out_raw, chain_idx, chain_tok,
+                chain_cond, draft_cond, res, status_given, node_count):
+    """A step's merge. ``meta`` holds, for the ``n_trees`` source trees and
+    the R requests: ``g_off`` (tree g holds candidates ``g_off[g]:g_off[g+1]``),
+    ``g_src`` (its source), ``r_off`` (request r holds trees
+    ``r_off[r]:r_off[r+1]``), each request's budget and whether it wants a
+    chain, one after another (``step_meta``). ``vocab``: token ids from it
+    on break the contract (-1: unknown). ``res`` holds status (per tree),
+    then out_start, out_n and chain_n (per request); its status is zeroed
+    first unless ``status_given``. ``status[g]`` <- 0 for a tree that keeps
+    the contract (``valid_tree``; 3: more nodes than the
+    budget), and only those are merged (a tree whose status comes in
+    nonzero is skipped as it is). Request r's merged nodes go to
+    ``out_*[out_start[r]:][:out_n[r]]``; where it wants a chain, its best
+    chain's tokens and estimates to ``chain_*[out_start[r]:][:chain_n[r]]``.
+    ``node_count[s]`` += the merged nodes source s proposed; ``draft_cond``'s
+    rows <- the merged nodes' and the chains' estimates in float32. Returns
+    the number of merged nodes."""
+    n_req = (len(meta) - 2 * n_trees - 2) // 3
+    g_off = meta[:n_trees + 1]
+    g_src = meta[n_trees + 1:2 * n_trees + 1]
+    r_off = meta[2 * n_trees + 1:2 * n_trees + 2 + n_req]
+    budget = meta[2 * n_trees + 2 + n_req:2 * n_trees + 2 + 2 * n_req]
+    want_chain = meta[2 * n_trees + 2 + 2 * n_req:]
+    status = res[:n_trees]
+    out_start = res[n_trees:n_trees + n_req]
+    out_n = res[n_trees + n_req:n_trees + 2 * n_req]
+    chain_n = res[n_trees + 2 * n_req:n_trees + 3 * n_req]
+    if not status_given:
+        status[:] = 0
     n_src = m_raw.shape[1]
     at = 0
-    for r in range(len(budget)):
+    for r in range(n_req):
         n_c = 0
         for g in range(r_off[r], r_off[r + 1]):
             if status[g] != 0:
@@ -119,17 +148,19 @@ def _merge_step(tok, par, raw, vocab, g_off, g_src, r_off, budget, want_chain, c
             k = _merge(c_tok[:n_c], c_par[:n_c], c_seg[:n_c], c_src[:n_c], c_raw[:n_c],
                        budget[r], cal_s, cal_n, cal_sd, cal_nd, strength, local_depth, m_map,
                        m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child, next_sibling,
-                       m_raw, new_index, out_tok[at:], out_par[at:], out_cond[at:],
+                       m_raw, new_index, order, out_tok[at:], out_par[at:], out_cond[at:],
                        out_mask[at:], out_depth[at:], out_q[at:], out_raw[at:])
         out_n[r] = k
         chain_n[r] = 0
-        if k > 0 and want_chain[r]:
+        if k > 0 and want_chain[r] != 0:
             m = best_chain(out_par[at:at + k], out_q[at:at + k], chain_idx)
             for j in range(m):
                 chain_tok[at + j] = out_tok[at + chain_idx[j]]
                 chain_cond[at + j] = out_cond[at + chain_idx[j]]
+                draft_cond[1, at + j] = chain_cond[at + j]
             chain_n[r] = m
         for j in range(at, at + k):
+            draft_cond[0, j] = out_cond[j]
             for s in range(n_src):
                 if (out_mask[j] >> s) & 1:
                     node_count[s] += 1
@@ -138,20 +169,28 @@ def _merge_step(tok, par, raw, vocab, g_off, g_src, r_off, budget, want_chain, c
 
 
 @cached_njit
-def _outcomes_step(tok, par, depth, mask, raw, start, n, emitted, e_off, observed,
-                   accepted, path, out_src, out_depth, out_conf, out_outcome,
+def _outcomes_step(ints, raw, meta, emitted, observed, accepted, path, out_int, out_float,
                    src_accepted, src_alone, row_alone):
-    """``outcomes`` of each request's merged tree (nodes ``start[r]:][:n[r]]``)
-    against its emitted tokens (``emitted[e_off[r]:e_off[r+1]]``). Writes one
-    calibration entry per (observed node, source that proposed it), nodes in
-    order, then sources: the source, the node's depth, the source's own
-    estimate, 1.0 if accepted. Counts each accepted node to every source
-    that proposed it (``src_accepted``) and to the one source where only one
-    did (``src_alone``, and ``row_alone[r]`` per request: what each source
-    brought each request). Returns the number of entries."""
+    """``outcomes`` of each request's merged tree against its emitted tokens.
+    ``ints``: a ``StepTrees``' rows (tokens, parents, chains' tokens, source
+    bits, depths);
+    ``meta``: per request its first node, its node count, then the offsets
+    of its emitted tokens (request r's: ``emitted[e_off[r]:e_off[r+1]]``).
+    Writes one calibration entry per (observed node, source that proposed
+    it), nodes in order, then sources: the source and the node's depth to
+    ``out_int``'s rows, the source's own estimate and 1.0 if accepted to
+    ``out_float``'s. Counts each accepted node to every source that proposed
+    it (``src_accepted``) and to the one source where only one did
+    (``src_alone``, and ``row_alone[r]`` per request, zeroed first: what
+    each source brought each request). Returns the number of entries."""
+    n_req = (len(meta) - 1) // 3
+    start, n, e_off = meta[:n_req], meta[n_req:2 * n_req], meta[2 * n_req:]
+    tok, par, mask, depth = ints[0], ints[1], ints[3], ints[4]
     n_src = raw.shape[1]
     c = 0
-    for r in range(len(start)):
+    for r in range(n_req):
+        for q in range(n_src):
+            row_alone[r, q] = 0
         s, k = start[r], n[r]
         m = outcomes(tok[s:s + k], par[s:s + k], depth[s:s + k],
                      emitted[e_off[r]:e_off[r + 1]], observed[:k], accepted[:k], path[:k])
@@ -161,10 +200,10 @@ def _outcomes_step(tok, par, depth, mask, raw, start, n, emitted, e_off, observe
             for q in range(n_src):
                 x = raw[s + v, q]
                 if not np.isnan(x):
-                    out_src[c] = q
-                    out_depth[c] = depth[s + v]
-                    out_conf[c] = x
-                    out_outcome[c] = 1.0 if accepted[v] else 0.0
+                    out_int[0, c] = q
+                    out_int[1, c] = depth[s + v]
+                    out_float[0, c] = x
+                    out_float[1, c] = 1.0 if accepted[v] else 0.0
                     c += 1
         for j in range(m):
             bits = mask[s + path[j]]
@@ -183,39 +222,81 @@ def _outcomes_step(tok, par, depth, mask, raw, start, n, emitted, e_off, observe
 class StepTrees:
     """A step's merged trees, each request's nodes one after another: what
     the next step reads against the tokens the target emitted (copies: the
-    buffers serve the next merge)."""
+    buffers serve the next merge). ``ints``' rows: tokens, parents, the best
+    chains' tokens, source bits, depths; ``raw``: each node's estimate per
+    source (NaN: not its)."""
 
-    __slots__ = ("tokens", "parents", "depth", "mask", "raw")
+    __slots__ = ("ints", "raw")
 
-    def __init__(self, b: MergeBuffers, total: int):
-        self.tokens, self.parents = b.out_tok[:total].copy(), b.out_par[:total].copy()
-        self.depth, self.mask = b.out_depth[:total].copy(), b.out_mask[:total].copy()
-        self.raw = b.out_raw[:total].copy()
+    def __init__(self, ints: np.ndarray, raw: np.ndarray):
+        self.ints, self.raw = ints, raw
+
+    @classmethod
+    def of_buffers(cls, b: MergeBuffers, total: int) -> "StepTrees":
+        return cls(b.out_int[:, :total].copy(), b.out_raw[:total].copy())
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.ints[0]
+
+    @property
+    def parents(self) -> np.ndarray:
+        return self.ints[1]
+
+    @property
+    def mask(self) -> np.ndarray:
+        return self.ints[3]
+
+    @property
+    def depth(self) -> np.ndarray:
+        return self.ints[4]
 
     @classmethod
     def concatenate(cls, parts) -> "StepTrees":
         """One ``StepTrees`` of the (trees, start, n) slices, in order."""
-        out = cls.__new__(cls)
-        for name in cls.__slots__:
-            setattr(out, name, np.concatenate([getattr(t, name)[a:a + n]
-                                               for t, a, n in parts]))
-        return out
+        return cls(np.concatenate([t.ints[:, a:a + n] for t, a, n in parts], axis=1),
+                   np.concatenate([t.raw[a:a + n] for t, a, n in parts]))
 
 
 class MergedStep:
     """What ``Merger.merge_step`` returns: per request (``start``, ``n``,
     ``chain_n``), per source tree (``status``), and the merged nodes of the
-    whole step (``trees``); ``tokens``, ``parents``, ``cond``, ``chain_tok``
-    and ``chain_cond`` are views of the buffers, valid until the next merge."""
+    whole step (``trees``, a copy). These and ``cond`` and ``chain_cond``
+    are views of the buffers, valid until the next merge; ``draft_cond``'s
+    rows are both estimates in float32, a copy."""
 
     PROBLEMS = PROBLEMS
 
-    def __init__(self, b: MergeBuffers, total, start, n, chain_n, status):
-        self.start, self.n, self.chain_n, self.status = start, n, chain_n, status
-        self.trees = StepTrees(b, total)
-        self.tokens, self.parents = self.trees.tokens, self.trees.parents
-        self.cond, self.chain_tok = b.out_cond[:total], b.chain_tok[:total]
-        self.chain_cond = b.chain_cond[:total]
+    def __init__(self, b: MergeBuffers, total: int, res: np.ndarray, trees: int):
+        r = (len(res) - trees) // 3
+        self.res, self.num_trees = res, trees
+        self.status, self.start = res[:trees], res[trees:trees + r]
+        self.n, self.chain_n = res[trees + r:trees + 2 * r], res[trees + 2 * r:]
+        self.trees = StepTrees.of_buffers(b, total)
+        self.cond, self.chain_cond = b.out_cond[:total], b.chain_cond[:total]
+        self.draft_cond = b.draft_cond[:, :total].copy()
+
+    @property
+    def chain_tok(self) -> np.ndarray:
+        return self.trees.ints[2]
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.trees.tokens
+
+    @property
+    def parents(self) -> np.ndarray:
+        return self.trees.parents
+
+    def lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(status, start, n, chain_n) as lists, in one conversion."""
+        values, g = self.res.tolist(), self.num_trees
+        r = (len(values) - g) // 3
+        return (values[:g], values[g:g + r], values[g + r:g + 2 * r], values[g + 2 * r:])
+
+    def drafted(self) -> tuple[list[int], list[int], list[int]]:
+        """(tokens, parents, chain tokens) of the whole step, as lists."""
+        return self.trees.ints[:3].tolist()
 
 
 def _flat(parts, field: str, dtype, status: np.ndarray) -> np.ndarray:
@@ -240,6 +321,47 @@ def _flat(parts, field: str, dtype, status: np.ndarray) -> np.ndarray:
         return np.concatenate(out)
 
 
+def _flat_trees(meta: list[int], parts, total: int, status: np.ndarray):
+    """(meta, tokens, parents, confidence, whether status was set): ``meta``
+    as an array and every tree's fields, one tree after another. Where the
+    trees are as the contract says (``SourceTree.conformed``) the integers
+    take one conversion; else field by field (``_flat``, which marks a tree
+    that does not convert in ``status``, zeroed first)."""
+    m = len(meta)
+    try:
+        ints = np.concatenate([meta, *(t.tokens for t in parts), *(t.parents for t in parts)],
+                              dtype=np.int64, casting="unsafe")
+        raw = np.concatenate([t.confidence for t in parts] or [[]], dtype=np.float64,
+                             casting="unsafe")
+        if ints.ndim == 1 and len(ints) == m + 2 * total and len(raw) == total:
+            return ints[:m], ints[m:m + total], ints[m + total:], raw, False
+    except Exception:  # noqa: BLE001 (the field by field pass says whose fault)
+        pass
+    status[:] = 0
+    return (np.array(meta, np.int64), _flat(parts, "tokens", np.int64, status),
+            _flat(parts, "parents", np.int64, status),
+            _flat(parts, "confidence", np.float64, status), True)
+
+
+class OutcomeBuffers:
+    """Scratch and output of ``Merger.outcomes_step``: trees of up to
+    ``width`` nodes, ``entries`` calibration entries, ``requests`` rows."""
+
+    def __init__(self, width: int, entries: int, requests: int, sources: int):
+        self.width, self.entries, self.requests, self.sources = (width, entries, requests,
+                                                                  sources)
+        self.observed = np.zeros(width, np.bool_)
+        self.accepted = np.zeros(width, np.bool_)
+        self.path = np.zeros(width, np.int64)
+        self.entry_int = np.zeros((2, entries), np.int64)      # source, depth
+        self.entry_float = np.zeros((2, entries), np.float64)  # estimate, outcome
+        self.row_alone = np.zeros((requests, sources), np.int64)
+
+    def fits(self, width: int, entries: int, requests: int, sources: int) -> bool:
+        return (width <= self.width and entries <= self.entries
+                and requests <= self.requests and sources == self.sources)
+
+
 class Merger:
     """Merges source trees, one request's or a whole step's; holds the buffers."""
 
@@ -250,6 +372,7 @@ class Merger:
         # Token ids at or past it are refused per tree (-1: unknown).
         self.vocab_size = -1 if vocab_size is None else int(vocab_size)
         self._buf: MergeBuffers | None = None
+        self._outcomes: OutcomeBuffers | None = None
         self._chain = np.zeros(0, np.int64)
 
     def merge(self, trees, calibrator, budget: int):
@@ -282,7 +405,7 @@ class Merger:
         b, c = buf, calibrator
         k = _merge(tok, par, seg, src, raw, int(budget), c.s, c.n, c.sd, c.nd,
                    c.strength, b.local_depth, b.map, b.tok, b.par, b.cond, b.mask,
-                   b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index,
+                   b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index, b.order,
                    b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth, b.out_q,
                    b.out_raw)
         return (b.out_tok[:k].copy(), b.out_par[:k].copy(), b.out_cond[:k].copy(),
@@ -303,55 +426,58 @@ class Merger:
         tokens, parents and confidence of one length; ``counts[r]``: request
         r's number of trees; ``budgets[r]``, ``chains[r]``: its node budget,
         and whether it takes the best chain. ``node_count`` (per source)
-        counts the merged nodes each source proposed."""
+        counts the merged nodes each source proposed. The step's integers
+        go in as one array and come out as another: at a step's handful of
+        trees, each numpy call costs more than the merge's loops."""
         parts = [t for _, t in trees]
         srcs = [k for k, _ in trees]
         if srcs and not 0 <= min(srcs) <= max(srcs) < self.num_sources:
             raise ValueError(f"source index outside [0, {self.num_sources})")
-        # Offsets in Python: np.cumsum of a short list costs more than the merge.
-        g_off = np.array(list(accumulate((len(t.tokens) for t in parts), initial=0)),
-                         np.int64)
-        r_off = np.array(list(accumulate(counts, initial=0)), np.int64)
-        total = int(g_off[-1])
+        sizes = [len(t.tokens) for t in parts]
+        total = sum(sizes)
+        meta = [*accumulate(sizes, initial=0), *srcs, *accumulate(counts, initial=0),
+                *budgets, *chains]
         b = self._buffers(total)
-        status = np.zeros(len(trees), np.int64)
-        tok = _flat(parts, "tokens", np.int64, status)
-        par = _flat(parts, "parents", np.int64, status)
-        raw = _flat(parts, "confidence", np.float64, status)
-        start, n, chain_n = np.zeros((3, len(counts)), np.int64)
-        g_src = np.array(srcs, np.int64)
+        res = b.results(len(parts) + 3 * len(counts))
+        meta, tok, par, raw, status_given = _flat_trees(meta, parts, total, res)
         c = calibrator
         done = _merge_step(
-            tok, par, raw, self.vocab_size, g_off, g_src, r_off, np.array(budgets, np.int64),
-            np.array(chains, np.bool_), c.s, c.n, c.sd, c.nd, c.strength, b.c_tok,
-            b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map, b.tok, b.par, b.cond,
-            b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw, b.new_index,
-            b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth, b.out_q, b.out_raw,
-            b.chain_idx, b.chain_tok, b.chain_cond, status, start, n, chain_n, node_count)
-        return MergedStep(b, done, start, n, chain_n, status)
+            tok, par, raw, self.vocab_size, meta, len(parts), c.s, c.n, c.sd, c.nd,
+            c.strength, b.c_tok, b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map,
+            b.tok, b.par, b.cond, b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw,
+            b.new_index, b.order, b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth,
+            b.out_q, b.out_raw, b.chain_idx, b.chain_tok, b.chain_cond, b.draft_cond, res, status_given,
+            node_count)
+        return MergedStep(b, done, res, len(parts))
 
     def outcomes_step(self, trees, starts, lengths, emitted, src_accepted: np.ndarray,
                       src_alone: np.ndarray):
         """Calibration entries (source, depth, raw estimate, outcome) of the
         merged trees ``starts[r]:][:lengths[r]]`` of ``trees`` (a
-        ``StepTrees``) against each one's ``emitted[r]`` tokens, and the
-        accepted nodes counted to their sources (see ``_outcomes_step``);
-        last, per request and source, its accepted tokens no other source
-        proposed (int64, ``len(starts)`` x sources)."""
-        start = np.asarray(starts, np.int64)
-        n = np.asarray(lengths, np.int64)
-        e_off = np.array(list(accumulate((len(e) for e in emitted), initial=0)), np.int64)
-        flat = np.concatenate(emitted).astype(np.int64)
-        width = int(n.max()) if len(n) else 0
-        size = int(n.sum()) * trees.raw.shape[1]
-        src, depth = np.zeros(size, np.int64), np.zeros(size, np.int64)
-        conf, out = np.zeros(size), np.zeros(size)
-        row_alone = np.zeros((len(start), trees.raw.shape[1]), np.int64)
-        c = _outcomes_step(trees.tokens, trees.parents, trees.depth, trees.mask, trees.raw,
-                           start, n, flat, e_off, np.zeros(width, np.bool_),
-                           np.zeros(width, np.bool_), np.zeros(width, np.int64), src, depth,
-                           conf, out, src_accepted, src_alone, row_alone)
-        return src[:c], depth[:c], conf[:c], out[:c], row_alone
+        ``StepTrees``) against each one's ``emitted[r]`` tokens (int64
+        arrays), and the accepted nodes counted to their sources (see
+        ``_outcomes_step``); last, per request and source, its accepted
+        tokens no other source proposed (``len(starts)`` x sources). The
+        arrays returned are views of buffers the next call reuses."""
+        sources = trees.raw.shape[1]
+        meta = np.array([*starts, *lengths, *accumulate(map(len, emitted), initial=0)],
+                        np.int64)
+        flat = np.concatenate(emitted, dtype=np.int64, casting="same_kind")
+        o = self._outcome_buffers(max(lengths, default=0), sum(lengths) * sources,
+                                  len(starts), sources)
+        c = _outcomes_step(trees.ints, trees.raw, meta, flat, o.observed, o.accepted, o.path,
+                           o.entry_int, o.entry_float, src_accepted, src_alone, o.row_alone)
+        return (o.entry_int[0, :c], o.entry_int[1, :c], o.entry_float[0, :c],
+                o.entry_float[1, :c], o.row_alone[:len(starts)])
+
+    def _outcome_buffers(self, width: int, entries: int, requests: int,
+                         sources: int) -> "OutcomeBuffers":
+        o = self._outcomes
+        if o is None or not o.fits(width, entries, requests, sources):
+            grown = (width, entries, requests) if o is None else \
+                (max(width, o.width), max(entries, o.entries), max(requests, o.requests))
+            o = self._outcomes = OutcomeBuffers(*(max(n, 64) for n in grown), sources)
+        return o
 
     def chain(self, parents: np.ndarray, q: np.ndarray) -> np.ndarray:
         """Node indices of the path with the most expected accepted tokens."""

@@ -57,33 +57,39 @@ class SuffixSource(DraftSource):
                                          max_cached_requests=options["max_cached_requests"])
         self._told: dict[str, int] = {}   # request -> context tokens the cache holds
 
-    def _sync(self, request) -> None:
+    def _sync(self, request) -> np.ndarray:
+        """Tells the cache the request's new tokens; returns the context's
+        last ``max_tree_depth`` tokens as the library takes them (int32):
+        the new tokens and the pattern are cut from one conversion."""
         req_id = request.req_id
         context = request.context
+        depth = self.options["max_tree_depth"]
         told = self._told.get(req_id)
         if told is None:
             if req_id in self.cache.cached_requests:
                 self.cache.evict_cached_response(req_id)
             told = int(request.num_prompt_tokens)
             self.cache.start_request(req_id, np.ascontiguousarray(context[:told], np.int32))
-        if len(context) > told:
-            self.cache.add_active_response(
-                req_id, np.ascontiguousarray(context[told:], np.int32))
-        self._told[req_id] = len(context)
+        n = len(context)
+        start = max(min(told, n - depth), 0)
+        tail = np.ascontiguousarray(context[start:], np.int32)
+        if n > told:
+            self.cache.add_active_response(req_id, tail[told - start:])
+        self._told[req_id] = n
+        return tail[max(len(tail) - depth, 0):]
 
     def propose(self, request, budget: int) -> SourceTree:
-        self._sync(request)
+        pattern = self._sync(request)
         if budget <= 0:
             return SourceTree.empty()
         o = self.options
-        pattern = np.ascontiguousarray(request.context[-o["max_tree_depth"]:], np.int32)
         draft = self.cache.speculate(request.req_id, pattern, max_spec_tokens=int(budget),
                                      max_spec_factor=o["max_spec_factor"],
                                      min_token_prob=o["min_token_prob"], use_tree_spec=True)
         if not draft.token_ids:
             return SourceTree.empty()
-        return SourceTree(np.array(draft.token_ids, np.int64),
-                          np.array(draft.parents, np.int64),
+        tokens, parents = np.array((draft.token_ids, draft.parents), np.int64)
+        return SourceTree(tokens, parents,
                           np.array(conditional(draft.parents, draft.probs), np.float64))
 
     def free(self, req_id: str) -> None:

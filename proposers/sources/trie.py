@@ -32,7 +32,7 @@ def calibrated(source, depth, c, cal_s, cal_n, cal_sd, cal_nd, strength):
 @cached_njit
 def _merge(tok, par, seg_start, src, raw, budget, cal_s, cal_n, cal_sd, cal_nd, strength,
            local_depth, m_map, m_tok, m_par, m_cond, m_mask, m_depth, m_q, first_child,
-           next_sibling, m_raw, new_index, out_tok, out_par, out_cond, out_mask,
+           next_sibling, m_raw, new_index, order, out_tok, out_par, out_cond, out_mask,
            out_depth, out_q, out_raw):
     """Merge ``len(tok)`` candidates (each source's nodes contiguous, its
     parents local to its segment starting at ``seg_start[i]``) into a trie;
@@ -82,7 +82,19 @@ def _merge(tok, par, seg_start, src, raw, budget, cal_s, cal_n, cal_sd, cal_nd, 
         m_map[i] = found
     for v in range(n):
         m_q[v] = m_cond[v] if m_par[v] < 0 else m_q[m_par[v]] * m_cond[v]
-    order = np.argsort(-m_q[:n], kind="mergesort")   # stable: ties by index
+    # Descending q, ties by index (a stable insertion sort: a merge holds
+    # tens of nodes, and a library sort's code costs more to load than
+    # this to run), a NaN after every number.
+    for v in range(n):
+        x = m_q[v]
+        j = v
+        while j > 0:
+            y = m_q[order[j - 1]]
+            if not (x > y or (np.isnan(y) and not np.isnan(x))):
+                break
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = v
     k = min(budget, n)
     for v in range(n):
         new_index[v] = -1
