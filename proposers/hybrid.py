@@ -147,10 +147,12 @@ class HybridProposer(PluginProposer):
         self._logged_source: set[int] = set()
         self._logged_request = False
         k = len(self.sources)
-        self.source_errors = np.zeros(k, np.int64)
-        self.source_nodes = np.zeros(k, np.int64)      # merged nodes it proposed
-        self.source_accepted = np.zeros(k, np.int64)   # accepted tokens it proposed
-        self.source_alone = np.zeros(k, np.int64)      # ... that no other source proposed
+        # Per source: merged nodes it proposed, accepted tokens it proposed,
+        # calls that raised; rows of one array, read in one call a step
+        # (``counters``).
+        self.source_counts = np.zeros((3, k), np.int64)
+        self.source_nodes, self.source_accepted, self.source_errors = self.source_counts
+        self.source_alone = np.zeros(k, np.int64)      # accepted that no other source proposed
         self.request_errors = 0
         self.costs = SourceCosts(k, self.options["source_costs"])
 
@@ -328,13 +330,11 @@ class HybridProposer(PluginProposer):
         else:   # a request that skipped steps: its tree is an older step's
             trees = StepTrees.concatenate([(rec.trees, rec.start, rec.n) for rec in recs])
             starts = np.cumsum([0] + [rec.n for rec in recs[:-1]])
-        src, depth, c, out, alone = self.merger.outcomes_step(
+        *_, alone = self.merger.outcomes_step(
             trees, starts, [rec.n for rec in recs], emitted, self.source_accepted,
-            self.source_alone)
+            self.source_alone, self.calibrator)
         if self.costs.enabled:
             self.costs.outcomes(req_ids, alone.tolist())
-        if len(src):
-            self.calibrator.learn(src, depth, c, out)
 
     def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
         on = self.costs.on
@@ -350,11 +350,12 @@ class HybridProposer(PluginProposer):
 
     def counters(self) -> dict[str, dict[str, int]]:
         out = super().counters()
-        for metric, values in (("source_draft_nodes", self.source_nodes),
-                               ("source_accepted_tokens", self.source_accepted),
-                               ("source_errors", self.source_errors),
-                               ("source_off_steps", self.costs.off_steps)):
-            out[metric] = dict(zip(self.source_names, np.asarray(values).tolist()))
+        names = self.source_names
+        nodes, accepted, errors = self.source_counts.tolist()
+        out["source_draft_nodes"] = dict(zip(names, nodes))
+        out["source_accepted_tokens"] = dict(zip(names, accepted))
+        out["source_errors"] = dict(zip(names, errors))
+        out["source_off_steps"] = dict(zip(names, self.costs.off_steps))
         return out
 
     def metrics(self) -> dict:

@@ -3,6 +3,8 @@
 outcomes are each request's, and the calibration's numba learning is the
 numpy formula it replaced."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -252,15 +254,40 @@ def test_trees_of_different_steps_are_read_together():
     p.step(StepContext([request(a + [9], [9])], max_draft=8))    # b sits out
     new_a = p._merged["a"]
     assert old_b.trees is not new_a.trees
-    seen = []
-    p.calibrator.learn = lambda *args: seen.append(args)
+    expected = copy.deepcopy(p.calibrator)
     emitted = [np.array([7, 8]), np.array([3, 5])]
     p.step(StepContext([request(a + [9, 7, 8], emitted[0]),
                         request(b + [3, 5], emitted[1], req_id="b")], max_draft=8))
     acc, alone = np.zeros(2, np.int64), np.zeros(2, np.int64)
-    want = [Merger(2).outcomes_step(rec.trees, [rec.start], [rec.n], [e], acc, alone)
+    want = [[x.copy() for x in Merger(2).outcomes_step(rec.trees, [rec.start], [rec.n], [e],
+                                                       acc, alone)[:4]]
             for rec, e in ((new_a, emitted[0]), (old_b, emitted[1]))]
-    [got] = seen
-    for j in range(4):
-        assert np.array_equal(got[j], np.concatenate([w[j] for w in want])), j
-    assert len(got[0]) > 0
+    entries = [np.concatenate([w[j] for w in want]) for j in range(4)]
+    assert len(entries[0]) > 0
+    expected.learn(*entries)    # the step learned these entries, in this order
+    for table in ("s", "n", "sd", "nd"):
+        assert np.array_equal(getattr(p.calibrator, table), getattr(expected, table)), table
+
+
+def test_outcomes_learned_in_the_kernel_are_the_calibrators_learning():
+    """``outcomes_step`` with a calibrator leaves its tables as its own
+    ``learn`` of the entries returned would."""
+    rng = np.random.default_rng(4)
+    for trial in range(50):
+        cal = learned_calibrator(rng)
+        trees, counts = [], []
+        for _ in range(int(rng.integers(1, 5))):
+            for s in sorted(rng.choice(SOURCES, 2, replace=False)):
+                trees.append((int(s), random_tree(rng, 8)))
+            counts.append(2)
+        step = Merger(SOURCES).merge_step(trees, counts, [8] * len(counts),
+                                          [False] * len(counts), cal, np.zeros(SOURCES, np.int64))
+        emitted = [np.asarray(rng.integers(0, 4, 3), np.int64) for _ in counts]
+        expected = copy.deepcopy(cal)
+        got = Merger(SOURCES).outcomes_step(step.trees, step.start.tolist(), step.n.tolist(),
+                                            emitted, np.zeros(SOURCES, np.int64),
+                                            np.zeros(SOURCES, np.int64), cal)
+        if len(got[0]):
+            expected.learn(*got[:4])
+        for table in ("s", "n", "sd", "nd"):
+            assert np.array_equal(getattr(cal, table), getattr(expected, table)), (trial, table)

@@ -28,6 +28,8 @@ import numpy as np
 
 from vllm_plugins.proposers.jit import cached_njit
 from vllm_plugins.proposers.sources.base import PROBLEMS, valid_tree
+from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
+from vllm_plugins.proposers.sources.calibrate import _learn as learn_calibration
 from vllm_plugins.proposers.sources.trie import _merge, best_chain, outcomes
 
 # Bits of the per-node source mask: at most this many sources in one hybrid.
@@ -170,7 +172,8 @@ def _merge_step(tok, par, raw, vocab, meta, n_trees, cal_s, cal_n, cal_sd, cal_n
 
 @cached_njit
 def _outcomes_step(ints, raw, meta, emitted, observed, accepted, path, out_int, out_float,
-                   src_accepted, src_alone, row_alone):
+                   src_accepted, src_alone, row_alone, learn, decay, cal_s, cal_n, cal_sd,
+                   cal_nd):
     """``outcomes`` of each request's merged tree against its emitted tokens.
     ``ints``: a ``StepTrees``' rows (tokens, parents, chains' tokens, source
     bits, depths);
@@ -182,7 +185,9 @@ def _outcomes_step(ints, raw, meta, emitted, observed, accepted, path, out_int, 
     ``out_float``'s. Counts each accepted node to every source that proposed
     it (``src_accepted``) and to the one source where only one did
     (``src_alone``, and ``row_alone[r]`` per request, zeroed first: what
-    each source brought each request). Returns the number of entries."""
+    each source brought each request). With ``learn``, the entries go into
+    the calibration's counts (``SourceCalibrator.learn``). Returns the
+    number of entries."""
     n_req = (len(meta) - 1) // 3
     start, n, e_off = meta[:n_req], meta[n_req:2 * n_req], meta[2 * n_req:]
     tok, par, mask, depth = ints[0], ints[1], ints[3], ints[4]
@@ -216,6 +221,9 @@ def _outcomes_step(ints, raw, meta, emitted, observed, accepted, path, out_int, 
             if count == 1:
                 src_alone[last] += 1
                 row_alone[r, last] += 1
+    if learn and c > 0:
+        learn_calibration(out_int[0, :c], out_int[1, :c], out_float[0, :c], out_float[1, :c],
+                          decay, cal_s, cal_n, cal_sd, cal_nd)
     return c
 
 
@@ -373,6 +381,7 @@ class Merger:
         self.vocab_size = -1 if vocab_size is None else int(vocab_size)
         self._buf: MergeBuffers | None = None
         self._outcomes: OutcomeBuffers | None = None
+        self._no_calibration = SourceCalibrator(1, 1, 1)   # the tables' types, unused
         self._chain = np.zeros(0, np.int64)
 
     def merge(self, trees, calibrator, budget: int):
@@ -451,22 +460,26 @@ class Merger:
         return MergedStep(b, done, res, len(parts))
 
     def outcomes_step(self, trees, starts, lengths, emitted, src_accepted: np.ndarray,
-                      src_alone: np.ndarray):
+                      src_alone: np.ndarray, calibrator=None):
         """Calibration entries (source, depth, raw estimate, outcome) of the
         merged trees ``starts[r]:][:lengths[r]]`` of ``trees`` (a
         ``StepTrees``) against each one's ``emitted[r]`` tokens (int64
         arrays), and the accepted nodes counted to their sources (see
         ``_outcomes_step``); last, per request and source, its accepted
         tokens no other source proposed (``len(starts)`` x sources). The
-        arrays returned are views of buffers the next call reuses."""
+        arrays returned are views of buffers the next call reuses. With a
+        ``calibrator``, the entries are learned too, in the same compiled
+        call (as its ``learn`` would)."""
         sources = trees.raw.shape[1]
         meta = np.array([*starts, *lengths, *accumulate(map(len, emitted), initial=0)],
                         np.int64)
         flat = np.concatenate(emitted, dtype=np.int64, casting="same_kind")
         o = self._outcome_buffers(max(lengths, default=0), sum(lengths) * sources,
                                   len(starts), sources)
+        cal = calibrator or self._no_calibration
         c = _outcomes_step(trees.ints, trees.raw, meta, flat, o.observed, o.accepted, o.path,
-                           o.entry_int, o.entry_float, src_accepted, src_alone, o.row_alone)
+                           o.entry_int, o.entry_float, src_accepted, src_alone, o.row_alone,
+                           calibrator is not None, cal.decay, cal.s, cal.n, cal.sd, cal.nd)
         return (o.entry_int[0, :c], o.entry_int[1, :c], o.entry_float[0, :c],
                 o.entry_float[1, :c], o.row_alone[:len(starts)])
 
@@ -490,7 +503,6 @@ class Merger:
 def warm_up() -> None:
     """Compile (or load) the merge now, not in an engine step."""
     from vllm_plugins.proposers.sources.base import SourceTree, valid_tree
-    from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 
     m = Merger(2)
     a = SourceTree.chain([1, 2], [0.5, 0.5])
@@ -503,4 +515,4 @@ def warm_up() -> None:
     cal.learn(np.array([0]), np.array([1]), np.array([0.5]), np.array([1.0]))
     step = m.merge_step([(0, a), (1, a)], [2], [2], [True], cal, np.zeros(2, np.int64))
     m.outcomes_step(step.trees, [0], [2], [np.array([1, 2, 3])], np.zeros(2, np.int64),
-                    np.zeros(2, np.int64))
+                    np.zeros(2, np.int64), cal)
