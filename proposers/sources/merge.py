@@ -255,10 +255,7 @@ class Merger:
         best nodes, copies."""
         sizes = [len(t.tokens) for _, t in trees]
         total = sum(sizes)
-        buf = self._buf
-        if buf is None or not buf.fits(max(total, 1), self.num_sources):
-            buf = self._buf = MergeBuffers(max(total, 64, 0 if buf is None else buf.nodes),
-                                           self.num_sources)
+        buf = self._buffers(total)
         if total == 0 or budget <= 0:
             z = np.zeros(0, np.int64)
             return z, z.copy(), np.zeros(0), z.copy(), z.copy(), np.zeros(0), \
