@@ -296,9 +296,7 @@ class Merger:
         tokens, parents and confidence of one length; ``counts[r]``: request
         r's number of trees; ``budgets[r]``, ``chains[r]``: its node budget,
         and whether it takes the best chain. ``node_count`` (per source)
-        counts the merged nodes each source proposed. The step's integers
-        go in as one array and come out as another: at a step's handful of
-        trees, each numpy call costs more than the merge's loops."""
+        counts the merged nodes each source proposed."""
         parts = [t for _, t in trees]
         srcs = [k for k, _ in trees]
         if srcs and not 0 <= min(srcs) <= max(srcs) < self.num_sources:
