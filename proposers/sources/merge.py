@@ -84,8 +84,8 @@ class MergeBuffers:
         return nodes <= self.nodes and sources <= self.sources
 
     def results(self, size: int) -> np.ndarray:
-        """The merge's per-tree and per-request results (``merge_kernels.merge_step``'s
-        ``res``), ``size`` of them."""
+        """The merge's per-tree and per-request results
+        (``merge_kernels.merge_step``'s ``res``), ``size`` of them."""
         if len(self.res) < size:
             self.res = np.zeros(max(size, 2 * len(self.res)), np.int64)
         return self.res[:size]
@@ -245,7 +245,9 @@ class Merger:
         self.vocab_size = -1 if vocab_size is None else int(vocab_size)
         self._buf: MergeBuffers | None = None
         self._outcomes: OutcomeBuffers | None = None
-        self._no_calibration = SourceCalibrator(1, 1, 1)   # the tables' types, unused
+        # Tables of the types ``outcomes_step``'s kernel takes, for a call
+        # that learns nothing (one compiled signature either way).
+        self._no_calibration = SourceCalibrator(1, 1, 1)
         self._chain = np.zeros(0, np.int64)
 
     def merge(self, trees, calibrator, budget: int):
@@ -314,8 +316,8 @@ class Merger:
             c.strength, b.c_tok, b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map,
             b.tok, b.par, b.cond, b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw,
             b.new_index, b.order, b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth,
-            b.out_q, b.out_raw, b.chain_idx, b.chain_tok, b.chain_cond, b.draft_cond, res, status_given,
-            node_count)
+            b.out_q, b.out_raw, b.chain_idx, b.chain_tok, b.chain_cond, b.draft_cond, res,
+            status_given, node_count)
         return MergedStep(b, done, res, len(parts))
 
     def outcomes_step(self, trees, starts, lengths, emitted, src_accepted: np.ndarray,
@@ -324,8 +326,9 @@ class Merger:
         merged trees ``starts[r]:][:lengths[r]]`` of ``trees`` (a
         ``StepTrees``) against each one's ``emitted[r]`` tokens (int64
         arrays), and the accepted nodes counted to their sources (see
-        ``merge_kernels.outcomes_step``); last, per request and source, its accepted
-        tokens no other source proposed (``len(starts)`` x sources). The
+        ``merge_kernels.outcomes_step``); last, per request and source, its
+        accepted tokens no other source proposed (``len(starts)`` x
+        sources). The
         arrays returned are views of buffers the next call reuses. With a
         ``calibrator``, the entries are learned too, in the same compiled
         call (as its ``learn`` would)."""
@@ -336,9 +339,10 @@ class Merger:
         o = self._outcome_buffers(max(lengths, default=0), sum(lengths) * sources,
                                   len(starts), sources)
         cal = calibrator or self._no_calibration
-        c = merge_kernels.outcomes_step(trees.ints, trees.raw, meta, flat, o.observed, o.accepted, o.path,
-                           o.entry_int, o.entry_float, src_accepted, src_alone, o.row_alone,
-                           calibrator is not None, cal.decay, cal.s, cal.n, cal.sd, cal.nd)
+        c = merge_kernels.outcomes_step(
+            trees.ints, trees.raw, meta, flat, o.observed, o.accepted, o.path, o.entry_int,
+            o.entry_float, src_accepted, src_alone, o.row_alone, calibrator is not None,
+            cal.decay, cal.s, cal.n, cal.sd, cal.nd)
         return (o.entry_int[0, :c], o.entry_int[1, :c], o.entry_float[0, :c],
                 o.entry_float[1, :c], o.row_alone[:len(starts)])
 

@@ -82,9 +82,9 @@ def _merge(tok, par, seg_start, src, raw, budget, cal_s, cal_n, cal_sd, cal_nd, 
         m_map[i] = found
     for v in range(n):
         m_q[v] = m_cond[v] if m_par[v] < 0 else m_q[m_par[v]] * m_cond[v]
-    # Descending q, ties by index (a stable insertion sort: a merge holds
-    # tens of nodes, and a library sort's code costs more to load than
-    # this to run), a NaN after every number.
+    # Descending q, ties by index, a NaN after every number: a stable
+    # insertion sort over the scratch ``order`` (a merge holds tens of
+    # nodes; ``np.argsort`` would allocate for each request).
     for v in range(n):
         x = m_q[v]
         j = v
