@@ -42,7 +42,7 @@ import numpy as np
 from vllm_plugins.options import Option, choice, flag, resolve
 from vllm_plugins.proposers.base import PluginProposer
 from vllm_plugins.proposers.draft_length import draft_length_options
-from vllm_plugins.proposers.sources import SourceTree, default_sources, source_class
+from vllm_plugins.proposers.sources import DraftSource, default_sources, source_class
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
 from vllm_plugins.proposers.sources.costs import SourceCosts
 from vllm_plugins.proposers.sources.merge import MAX_SOURCES, MergedStep, Merger, StepTrees
@@ -52,6 +52,7 @@ from vllm_plugins.step_context import Drafts, RequestStep, StepContext
 from vllm_plugins.tree.sampling import tree_allowed
 
 logger = logging.getLogger("vllm_plugins")
+_NO_LEARN, _NO_SENT = DraftSource.learn, DraftSource.sent
 
 
 @dataclass
@@ -165,17 +166,21 @@ class HybridProposer(PluginProposer):
     # ------------------------------------------------------------ helpers
     def _guard(self, k: int, what: str, fn, *args):
         """``fn(*args)``, or None when it raises: a failing source costs its
-        own candidates only (logged once per source)."""
+        own candidates only (``_raised``)."""
         try:
             return fn(*args)
         except Exception:
-            self.source_errors[k] += 1
-            if k not in self._logged_source:
-                self._logged_source.add(k)
-                logger.exception("draft source %r failed in %s; its candidates are left "
-                                 "out (logged once, counted in metrics()['sources'])",
-                                 self.source_names[k], what)
-            return None
+            return self._raised(k, what)
+
+    def _raised(self, k: int, what: str) -> None:
+        """Source k raised in ``what`` (called in its except block): counted,
+        logged once per source; its candidates are left out."""
+        self.source_errors[k] += 1
+        if k not in self._logged_source:
+            self._logged_source.add(k)
+            logger.exception("draft source %r failed in %s; its candidates are left "
+                             "out (logged once, counted in metrics()['sources'])",
+                             self.source_names[k], what)
 
     def _count_costs(self, ctx: StepContext) -> None:
         """The drafts of the last drafting step against what they cost: the
@@ -188,14 +193,16 @@ class HybridProposer(PluginProposer):
             seconds = ctx.last_step_seconds + (ctx.last_propose_seconds or 0.0)
         self.costs.end_step(sum(len(r.accepted) for r in ctx.requests), seconds)
 
-    def _timed(self, k: int, what: str, fn, *args):
-        """``_guard``, its time counted to source k's engine-wide work
-        (learn, sent; a request's propose is timed to that request)."""
+    def _timed(self, k: int, what: str, fn, *args) -> None:
+        """``fn(*args)`` (learn, sent), guarded as ``_guard`` does, its time
+        counted to source k's engine-wide work (a request's propose is timed
+        to that request)."""
         start = time.perf_counter()
         try:
-            return self._guard(k, what, fn, *args)
-        finally:
-            self.costs.add(k, time.perf_counter() - start)
+            fn(*args)
+        except Exception:
+            self._raised(k, what)
+        self.costs.add(k, time.perf_counter() - start)
 
     def _request_options(self, r: RequestStep) -> tuple[int | None, tuple[int, ...]]:
         """(draft cap, source indices) of a request's parsed
@@ -236,7 +243,9 @@ class HybridProposer(PluginProposer):
                 costs.join(r.req_id, choice[1])
         on = costs.on
         for k, s in enumerate(self.sources):
-            if on[k]:
+            # A source that keeps no state inherits the empty method: it is
+            # neither called nor timed (nor is its ``sent``).
+            if on[k] and type(s).learn is not _NO_LEARN:
                 self._timed(k, "learn", s.learn, ctx)
         n = len(ctx.requests)
         tokens: list[list[int]] = [[] for _ in range(n)]
@@ -244,7 +253,7 @@ class HybridProposer(PluginProposer):
         parents: list[list[int] | None] = [None] * n
         as_trees = self.options["draft_shape"] == "tree"
         trees, rows, counts, budgets, chains = [], [], [], [], []
-        clock = time.perf_counter
+        clock, sources = time.perf_counter, self.sources
         for i, r, budget in self.drafting_requests(ctx):
             cap = chosen[i][0]
             if cap is not None:
@@ -256,9 +265,15 @@ class HybridProposer(PluginProposer):
             before = len(trees)
             for k in asked.on:
                 start = clock()
-                t = self._guard(k, "propose", self._propose, k, r, budget)
+                try:
+                    # ValueError for a tree of the wrong types or shapes
+                    # (``SourceTree.conformed``): it costs source k's candidates
+                    # only. The per-node rules are the merge's (its status).
+                    t = sources[k].propose(r, budget).conformed()
+                except Exception:
+                    t = self._raised(k, "propose")
                 seconds[k] += clock() - start
-                if t is not None:
+                if t is not None and len(t.tokens):
                     trees.append((k, t))
             if len(trees) > before:
                 rows.append((i, r))
@@ -285,14 +300,6 @@ class HybridProposer(PluginProposer):
             else:
                 tokens[i], parents[i], conf[i] = tok[a:a + m], par[a:a + m], cond[a:a + m]
         return Drafts(tokens, None, conf, parents)
-
-    def _propose(self, k: int, r: RequestStep, budget: int) -> SourceTree | None:
-        """Source k's tree for one request, None when empty; ValueError for a
-        tree of the wrong types or shapes (``SourceTree.conformed``,
-        in ``_guard``: it costs source k's candidates only). The contract's
-        per-node rules are checked in the merge (``merge_step``'s status)."""
-        t = self.sources[k].propose(r, budget).conformed()
-        return t if len(t.tokens) else None
 
     def _source_failed(self, k: int, problem: str) -> None:
         """A tree the merge refused: it costs source k's candidates for that
@@ -339,7 +346,7 @@ class HybridProposer(PluginProposer):
     def proposed(self, ctx: StepContext, drafts: Drafts) -> None:
         on = self.costs.on
         for k, s in enumerate(self.sources):
-            if on[k]:
+            if on[k] and type(s).sent is not _NO_SENT:
                 self._timed(k, "sent", s.sent, ctx, drafts)
 
     def free(self, req_id: str) -> None:

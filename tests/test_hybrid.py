@@ -223,6 +223,36 @@ def test_a_failing_source_costs_only_its_own_candidates(monkeypatch, caplog):
     assert sum("broken" in r.getMessage() for r in caplog.records) == 1   # logged once
 
 
+class KeepingSource(DraftSource):
+    """A source with state: it learns each step and hears what was sent."""
+    name = "keeping"
+    heard: list = []
+
+    def learn(self, ctx):
+        self.heard.append("learn")
+
+    def propose(self, request, budget):
+        return SourceTree.chain([1], [0.5])
+
+    def sent(self, ctx, drafts):
+        self.heard.append("sent")
+
+
+def test_only_sources_that_keep_state_learn_and_hear_what_was_sent(monkeypatch):
+    """A source that inherits ``DraftSource``'s empty ``learn`` and ``sent``
+    (prompt lookup) is neither called nor timed for them; one that keeps
+    state is, every step."""
+    monkeypatch.setitem(sources.BUILTIN, "keeping", f"{__name__}:KeepingSource")
+    monkeypatch.setattr(KeepingSource, "heard", [])
+    p = hybrid(sources=["keeping", "ngram"])
+    timed = []
+    monkeypatch.setattr(p.costs, "add", lambda k, seconds: timed.append(k))
+    for _ in range(3):
+        p.step(StepContext([request([7, 8, 9, 7, 8])], max_draft=8))   # learn, draft, sent
+    assert KeepingSource.heard == ["learn", "sent"] * 3
+    assert timed == [0, 0] * 3
+
+
 def install_example_source(tmp_path, monkeypatch, name="bigram",
                            value="tests.hybrid_example_source:BigramSource"):
     """tests/hybrid_example_source.py's BigramSource installed as another
