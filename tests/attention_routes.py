@@ -22,7 +22,7 @@ def tree_routes(worker) -> dict:
     assert not any(attr in vars(i) for i in impls)
     state = state_of(runner)
     held = state.tree_attention if state is not None else None
-    ready = set() if held is None else {id(method.__self__) for _, method in held.bound}
+    ready = set() if held is None else {id(obj) for obj in held.objects}
     assert held is None or held.patch is attention
     return {"layers": len(impls), "routed_layers": sum(id(i) in ready for i in impls),
             "runner": [n for n in RUNNER_TREE_ROUTE if applied_to(named(n), runner)]}

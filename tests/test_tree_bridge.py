@@ -19,52 +19,59 @@ def test_attention_reads_the_plan_of_the_forward_running_now():
     """A runner's plan reaches the attention layers of its own step's
     forward only: not another runner's forward (here one run inside it, as
     ranks sharing a process could), not a later forward, not a layer run
-    outside any forward. Everywhere else the wrapper is vLLM's forward."""
-    from vllm.config import VllmConfig
-    from vllm.forward_context import set_forward_context
+    outside any forward. Everywhere else the layer runs vLLM's forward."""
+    import functools
 
-    from vllm_plugins.bridge.v1 import runner as bridge_runner
+    from vllm_plugins.bridge.patching import Held
     from vllm_plugins.bridge.state import attach
+    from vllm_plugins.bridge.v1 import runner as bridge_runner
 
-    config = VllmConfig()
-    plan_a = make_plan([("tree", TREE_A, 3)])[0]
-    plan_b = make_plan([("tree", TREE_B, 5)])[0]
-    runner_a, runner_b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
-    attach(runner_a).tree_step = plan_a
-    attach(runner_b).tree_step = plan_b
     seen = []
 
-    def vllm_attention(impl, layer, query, key, value, kv_cache, attn_metadata, output):
-        seen.append(("vllm", layer))
+    class Impl:   # an attention layer's impl; its class's forward is vLLM's
+        attn_type = "decoder"
 
-    def tree_attention(plan, impl, layer, *args):
-        seen.append((plan, layer))
+        def __init__(self, name):
+            self.name = name
 
-    attention = bridge_runner.wrap_cpu_attention(vllm_attention)
-    impl = SimpleNamespace(attn_type="decoder")
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output):
+            seen.append(("vllm", self.name))
 
-    def layer(name):
-        attention(impl, name, None, None, None, None, object(), None)
+    attention = bridge_runner.wrap_cpu_attention(Impl.forward)
+
+    def runner_with_layers(name, plan):
+        runner = SimpleNamespace(impls=[Impl(name), Impl(name)])
+        state = attach(runner)
+        state.tree_step = plan
+        # What route_trees holds: the route bound to each layer with the state.
+        state.tree_attention = Held(None, "forward", tuple(runner.impls), tuple(
+            (vars(i), functools.partial(attention, i, state)) for i in runner.impls))
+        return runner
+
+    def tree_attention(plan, impl, *args):
+        seen.append((plan, impl.name))
+
+    def layer(impl):
+        impl.forward(None, None, None, None, None, object(), None)
 
     def model(runner, inside=None):  # two attention layers
-        layer(runner.name)
+        layer(runner.impls[0])
         if inside is not None:
             inside()
-        layer(runner.name)
+        layer(runner.impls[1])
 
     model_forward = bridge_runner.wrap_model_forward(model)
-
-    def execute_model(runner, inside=None):
-        with set_forward_context({}, config):
-            model_forward(runner, inside)
-
+    plan_a = make_plan([("tree", TREE_A, 3)])[0]
+    plan_b = make_plan([("tree", TREE_B, 5)])[0]
+    runner_a = runner_with_layers("a", plan_a)
+    runner_b = runner_with_layers("b", plan_b)
     with mock.patch.object(tree_step, "attend", tree_attention):
-        execute_model(runner_a, inside=lambda: execute_model(runner_b))
-        layer("outside")
+        model_forward(runner_a, lambda: model_forward(runner_b))
+        layer(runner_a.impls[0])
         attach(runner_a).tree_step = None  # the step sampled: a chain step next
-        execute_model(runner_a)
+        model_forward(runner_a)
     assert seen == [(plan_a, "a"), (plan_b, "b"), (plan_b, "b"), (plan_a, "a"),
-                    ("vllm", "outside"), ("vllm", "a"), ("vllm", "a")]
+                    ("vllm", "a"), ("vllm", "a"), ("vllm", "a")]
 
 
 def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
@@ -102,7 +109,7 @@ def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
 
     def routed(runner, impls):
         held = state_of(runner).tree_attention
-        ready = [] if held is None else [m.__self__ for _, m in held.bound]
+        ready = [] if held is None else held.objects
         return ([applied_to(p, runner) for p in runner_route],
                 [any(i is r for r in ready) for i in impls])
 
@@ -139,12 +146,11 @@ def test_a_runner_gets_the_tree_route_when_it_drafts_its_first_tree():
     model_forward = bridge_runner.wrap_model_forward(forward)
     tree_state = state_of(tree_runner)
     tree_state.tree_step = object()
-    with mock.patch.object(tree_step, "enter_forward", lambda plan: None):
-        model_forward(tree_runner)
-        tree_state.tree_step = None
-        model_forward(tree_runner)
-    assert [m.__func__ for m in during[0]] == [attention.replacement()] * 3
-    assert [m.__self__ for m in during[0]] == tree_impls
+    model_forward(tree_runner)
+    tree_state.tree_step = None
+    model_forward(tree_runner)
+    assert [m.func for m in during[0]] == [attention.replacement()] * 3
+    assert [m.args for m in during[0]] == [(i, tree_state) for i in tree_impls]
     assert during[1] == [None] * 3
     assert all("forward" not in vars(i) for i in tree_impls)
 

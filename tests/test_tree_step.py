@@ -153,13 +153,13 @@ def run_attend(s):
     requests; returns the output and the rows vLLM's forward was given."""
     seen = []
 
-    def vllm_attention(q, metadata, out):
+    def vllm_forward(impl, layer, q, key, value, kv_cache, metadata, out):
         seen.append(int(metadata.num_actual_tokens))
-        s.impl.forward(s.layer, q, None, None, s.kv_cache, metadata, out)
+        impl.forward(layer, q, key, value, kv_cache, metadata, out)
 
     output = torch.full((s.total, *s.query.shape[1:]), 7.0)
-    tree_step.attend(s.plan, s.impl, s.layer, s.query, s.kv_cache, s.meta, output,
-                     vllm_attention)
+    tree_step.attend(s.plan, s.impl, s.layer, s.query, None, None, s.kv_cache, s.meta, output,
+                     vllm_forward)
     return output, seen
 
 

@@ -100,10 +100,11 @@ PATCHES: tuple[Patch, ...] = (
           _PINS + "test_prepare_inputs_computes_slots_before_the_forward_reads_positions",
           runner.wrap_prepare_inputs, per_instance=True),
     Patch("tree.forward_plan", _RUNNER + "._model_forward",
-          "a tree step's plan enters the ForwardContext vLLM opened for the "
-          "step's forward, where the attention wrapper reads it: no other "
-          "forward, step or runner sees it; put on a runner at its first tree",
-          _PINS + "test_the_steps_forward_runs_in_a_forward_context_of_its_own",
+          "the attention route is on a runner's layers for its tree steps' "
+          "forwards alone, each layer's wrapper bound to the runner's state, "
+          "which holds the step's plan: no other forward, step or runner sees "
+          "it; put on a runner at its first tree",
+          _PINS + "test_the_steps_forward_calls_each_attention_layers_impl_forward",
           runner.wrap_model_forward, per_instance=True),
     Patch("tree.cpu_attention",
           "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackendImpl.forward",
@@ -251,9 +252,6 @@ RELIED_ON: tuple[str, ...] = (
     "vllm.config.speculative:SpeculativeConfig",
     "vllm.v1.engine.input_processor:InputProcessor.__init__",
     "vllm.forward_context:set_forward_context",
-    "vllm.forward_context:ForwardContext",
-    "vllm.forward_context:get_forward_context",
-    "vllm.forward_context:is_forward_context_available",
     "vllm.v1.attention.backend:CommonAttentionMetadata",
     "vllm.v1.worker.utils:AttentionGroup.build_metadata",
     "vllm.model_executor.layers.attention.attention:unified_kv_cache_update",

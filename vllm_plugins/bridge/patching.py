@@ -19,6 +19,7 @@ run vLLM's attribute with no frame of ours.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import types
@@ -168,10 +169,10 @@ class Held:
     run the class's attribute with no frame of ours. Both are a dictionary
     write per object: cheap enough for every call that needs it."""
 
-    __slots__ = ("patch", "attr", "bound")
+    __slots__ = ("patch", "attr", "objects", "bound")
 
-    def __init__(self, patch: Patch, attr: str, bound: tuple):
-        self.patch, self.attr, self.bound = patch, attr, bound
+    def __init__(self, patch: Patch, attr: str, objects: tuple, bound: tuple):
+        self.patch, self.attr, self.objects, self.bound = patch, attr, objects, bound
 
     def __len__(self) -> int:
         return len(self.bound)
@@ -187,11 +188,13 @@ class Held:
             namespace.pop(attr, None)
 
 
-def hold(patch: Patch, objs) -> Held:
+def hold(patch: Patch, objs, *leading) -> Held:
     """``patch`` held ready for ``objs`` (each an instance of its class, as
     ``apply_to`` checks), off until ``Held.on``; its replacement is bound to
-    each object once, here."""
-    objs = list(objs)
+    each object once, here. With ``leading`` arguments the replacement is
+    called as ``replacement(obj, *leading, *args)``: what it needs of its
+    caller's state travels with it, not through a lookup on every call."""
+    objs = tuple(objs)
     attrs = {_instance_attr(patch, obj) for obj in objs}
     attr = attrs.pop() if attrs else patch.owner_and_attr()[1]
     for obj in objs:
@@ -199,8 +202,13 @@ def hold(patch: Patch, objs) -> Held:
             raise RuntimeError(f"{type(obj).__qualname__} object already carries its own "
                                f"{attr}; patch '{patch.name}' cannot be held for it")
     replacement = patch.replacement()
-    return Held(patch, attr, tuple((vars(obj), types.MethodType(replacement, obj))
-                                   for obj in objs))
+
+    def bind(obj):
+        if leading:
+            return functools.partial(replacement, obj, *leading)
+        return types.MethodType(replacement, obj)
+
+    return Held(patch, attr, objs, tuple((vars(obj), bind(obj)) for obj in objs))
 
 
 def applied_to(patch: Patch, obj: Any) -> bool:

@@ -172,21 +172,17 @@ def wrap_prepare_inputs(original):
 
 def wrap_model_forward(original):
     # GPUModelRunner._model_forward(self, input_ids, positions, ...): the
-    # step's forward, which execute_model calls inside the ForwardContext it
-    # opened with set_forward_context (dummy and profiling runs call
-    # self.model instead). The attention wrapper has no runner to ask: the
-    # plan reaches it through that context, and it is on the runner's
-    # attention layers for a tree step's forward alone (the other steps'
-    # layers run vLLM's forward with no frame of ours).
+    # step's forward (dummy and profiling runs call self.model instead). The
+    # attention route is on the runner's attention layers for a tree step's
+    # forward alone, each layer's wrapper bound to this runner's state, whose
+    # plan it reads (the other steps' layers run vLLM's forward with no frame
+    # of ours).
     @functools.wraps(original)
     def _model_forward(self, *args, **kwargs):
         state = state_of(self)
-        if state is None or state.tree_step is None:
+        if state is None or state.tree_step is None or state.tree_attention is None:
             return original(self, *args, **kwargs)
-        tree_step.enter_forward(state.tree_step)
         attention = state.tree_attention
-        if attention is None:
-            return original(self, *args, **kwargs)
         attention.on()
         try:
             return original(self, *args, **kwargs)
@@ -223,7 +219,7 @@ def route_trees(runner, state) -> None:
     owner, _ = attention.owner_and_attr()
     state.tree_attention = hold(attention, [
         module.impl for module in runner.get_model().modules()
-        if isinstance(getattr(module, "impl", None), owner)])
+        if isinstance(getattr(module, "impl", None), owner)], state)
     state.trees_routed = True
 
 
@@ -231,22 +227,20 @@ def wrap_cpu_attention(original):
     # CPUAttentionBackendImpl.forward(self, layer, query, key, value, kv_cache,
     #     attn_metadata, output, ...) -> output: attention only (the backend's
     # forward_includes_kv_cache_update is False: vLLM wrote this step's K/V
-    # before). On a layer during a tree step's forward only (route_trees):
-    # tree requests' rows by their ancestry masks, the other requests' by
-    # vLLM's forward over them alone.
+    # before). Held on a runner's layers during its tree steps' forwards only
+    # (route_trees), bound to that runner's state: tree requests' rows by
+    # their ancestry masks, the other requests' by vLLM's forward over them
+    # alone. A forward left the code cold, so each layer's call reads the plan
+    # from the state it carries and makes no closure.
     @functools.wraps(original)
-    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+    def forward(self, state, layer, query, key, value, kv_cache, attn_metadata, output,
                 *args, **kwargs):
-        plan = tree_step.of_forward()
+        plan = state.tree_step
         if plan is None or attn_metadata is None or self.attn_type != "decoder":
             return original(self, layer, query, key, value, kv_cache, attn_metadata,
                             output, *args, **kwargs)
-
-        def vllm_attention(q, metadata, out):
-            original(self, layer, q, key, value, kv_cache, metadata, out, *args, **kwargs)
-
-        tree_step.attend(plan, self, layer, query, kv_cache, attn_metadata, output,
-                         vllm_attention)
+        tree_step.attend(plan, self, layer, query, key, value, kv_cache, attn_metadata,
+                         output, original, args, kwargs)
         return output
 
     return forward

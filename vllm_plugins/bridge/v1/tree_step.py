@@ -12,10 +12,9 @@ each request whose scheduled drafts are a prefix of the tree we recorded:
    index (its slot mapping from positions ``num_computed + i`` already gives
    every node a slot of its own); the rotary positions the model reads are
    rewritten to ``num_computed + depth`` (the root, the request's last
-   committed token, at depth 0). The runner's forward hands the plan to
-   attention through vLLM's forward context (``enter_forward``), which
-   vLLM opens for that forward alone, and puts the attention wrapper on its
-   layers for that forward only.
+   committed token, at depth 0). The runner's forward puts the attention
+   wrapper on its layers for that forward only, each layer's bound to the
+   runner's state, which holds the plan.
 2. ``attend`` (in place of vLLM's attention of each layer): the rows of
    tree requests come from ``kernels.tree_attention`` (each node sees the
    committed prefix, its ancestors and itself), the other requests' from
@@ -42,7 +41,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from vllm import forward_context
 
 from vllm_plugins.kernels.cache_layout import cpu_cache_views, layout_refusal
 from vllm_plugins.kernels.kv_move import (HostLayers, host_elements, host_layout, move_kv_host,
@@ -139,28 +137,6 @@ class TreeStep:
     # Each layer's cache views (``cache_views_of``): the runner's, which
     # outlive the step (a cache tensor lives as long as the engine).
     cache_views: dict = field(default_factory=dict)
-
-
-# Where a forward's plan sits in vLLM's ForwardContext.additional_kwargs.
-FORWARD_KEY = "vllm_plugins.tree_step"
-
-
-def enter_forward(step: TreeStep) -> None:
-    """Makes ``step`` the plan of the forward vLLM is running. vLLM opens a
-    ForwardContext per forward and drops it after, so the plan reaches this
-    forward's attention layers only: not a later step's, not a draft
-    forward's, not another runner's. The context gets a dict of its own
-    rather than an entry in one its platform may share."""
-    context = forward_context.get_forward_context()
-    context.additional_kwargs = {**context.additional_kwargs, FORWARD_KEY: step}
-
-
-def of_forward() -> TreeStep | None:
-    """The plan of the forward running now (None outside a tree step).
-    Every attention layer asks, every step: the module is bound once."""
-    if not forward_context.is_forward_context_available():
-        return None
-    return forward_context.get_forward_context().additional_kwargs.get(FORWARD_KEY)
 
 
 def step_mask(parents_list, query_lens) -> np.ndarray:
@@ -309,12 +285,15 @@ def subset_metadata(attn_metadata, keep: list[int], impl, layer, dtype):
     return rows, metadata
 
 
-def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Tensor,
-           attn_metadata, output: torch.Tensor, vllm_attention) -> None:
+def attend(step: TreeStep, impl, layer, query: torch.Tensor, key, value,
+           kv_cache: torch.Tensor, attn_metadata, output: torch.Tensor, vllm_forward,
+           args: tuple = (), kwargs: dict | None = None) -> None:
     """One layer of a tree step (query, output: [tokens, heads, head]):
     tree requests' rows by ancestry over the paged cache vLLM just wrote,
-    the other requests' rows by ``vllm_attention(query, metadata, output)``
-    (vLLM's own forward) over them alone."""
+    the other requests' rows by ``vllm_forward`` (vLLM's
+    ``CPUAttentionBackendImpl.forward``, called as vLLM calls it, with the
+    layer call's own ``key``, ``value``, ``args`` and ``kwargs``) over them
+    alone."""
     if attn_metadata.num_actual_tokens != step.num_tokens:
         raise RuntimeError(f"tree step planned for {step.num_tokens} tokens, attention "
                            f"runs {attn_metadata.num_actual_tokens}")
@@ -325,11 +304,13 @@ def attend(step: TreeStep, impl, layer, query: torch.Tensor, kv_cache: torch.Ten
                                  query.dtype)
         step.attention[id(attn_metadata)] = planned
     if planned.vllm_all:
-        vllm_attention(query, attn_metadata, output)
+        vllm_forward(impl, layer, query, key, value, kv_cache, attn_metadata, output,
+                     *args, **(kwargs or {}))
     elif planned.other_rows is not None:
         rows = planned.other_rows
         part = output.new_empty((rows.numel(), *output.shape[1:]))
-        vllm_attention(query.index_select(0, rows), planned.other_metadata, part)
+        vllm_forward(impl, layer, query.index_select(0, rows), key, value, kv_cache,
+                     planned.other_metadata, part, *args, **(kwargs or {}))
         output.index_copy_(0, rows, part)
     layer_views = cache_views_of(step.cache_views, kv_cache)
     tree_attention_planned(query, layer_views.key, layer_views.value, planned.tree, impl.scale,
