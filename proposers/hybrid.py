@@ -75,7 +75,11 @@ class HybridProposer(PluginProposer):
         choice("draft_shape", "tree", ("tree", "chain")),
         flag("source_costs", True),
     )
-    DEFAULT_NUM_SPECULATIVE_TOKENS = 16
+    # The goodput rule prices every node it keeps, but on a CPU, where each
+    # verified token costs a few percent of a step, a budget of 16 let it keep
+    # more nodes than paid: 8 ran faster than 16 on first and second turns
+    # and level at batch 8 (docs/benchmarks.md, against vLLM suffix).
+    DEFAULT_NUM_SPECULATIVE_TOKENS = 8
     CAN_REST = True        # every source catches up from the context itself
     SHAPES_TREES = True    # calibration reads outcomes; sources learn from ``sent``
     TREE_POLICIES = ("fixed", "goodput")

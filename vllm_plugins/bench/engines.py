@@ -21,7 +21,7 @@ METHOD_CONFIGS = {
     "token_recycling+goodput": {"method": "token_recycling",
                                 "num_speculative_tokens": 6,
                                 "draft_length": "goodput"},
-    "hybrid": {"method": "hybrid", "num_speculative_tokens": 16},
+    "hybrid": {"method": "hybrid"},
     # vLLM's own n-gram lookup through our bridge, with and without the
     # controller: the pair isolates what the draft-length decision is worth.
     "ngram_adaptive": {"method": "ngram_adaptive", "num_speculative_tokens": 5,
