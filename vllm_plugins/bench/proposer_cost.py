@@ -46,13 +46,13 @@ import numpy as np
 
 from vllm_plugins.bench.cli import _int_list
 
-# Each method's defaults but the policy; Token Recycling's trees at the
-# hybrid's 16 nodes.
+# Each method's defaults but the policy; Token Recycling's trees and the
+# hybrid at 16 nodes, one size for both.
 DEFAULT_METHODS = {
     "token_recycling": {"method": "token_recycling", "draft_length": "fixed"},
     "token_recycling_tree": {"method": "token_recycling", "draft_length": "fixed",
                              "draft_shape": "tree", "num_speculative_tokens": 16},
-    "hybrid": {"method": "hybrid", "draft_length": "fixed"},
+    "hybrid": {"method": "hybrid", "draft_length": "fixed", "num_speculative_tokens": 16},
 }
 SUCCESSORS = 8
 # The synthetic step time under --draft-length: seconds = a + b * tokens +
