@@ -77,8 +77,8 @@ class HybridProposer(PluginProposer):
     )
     # The goodput rule prices every node it keeps, but on a CPU, where each
     # verified token costs a few percent of a step, a budget of 16 let it keep
-    # more nodes than paid: 8 ran faster than 16 on first and second turns
-    # and level at batch 8 (docs/benchmarks.md, against vLLM suffix).
+    # more nodes than paid: 8 ran level with 16 on first turns and at batch 8,
+    # and 3% faster on second turns (docs/benchmarks.md, against vLLM suffix).
     DEFAULT_NUM_SPECULATIVE_TOKENS = 8
     CAN_REST = True        # every source catches up from the context itself
     SHAPES_TREES = True    # calibration reads outcomes; sources learn from ``sent``
