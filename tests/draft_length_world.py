@@ -33,7 +33,8 @@ class World:
 
     def __init__(self, controller, batch: int = 1, cost=(0.02, 0.001, 0.0),
                  noise: float = 0.0, seed: int = 0, max_draft: int = D,
-                 proposer=None, new_shape_cost: float = 0.0, awake_cost: float = 0.0):
+                 proposer=None, new_shape_cost: float = 0.0, awake_cost: float = 0.0,
+                 by_count=None):
         self.c = controller
         self.proposer = proposer   # drive a PluginProposer's step() instead
         # Seconds a step costs when the proposer works in it (top-k
@@ -44,6 +45,9 @@ class World:
         # new_shape_cost for any other count.
         self.new_shape_cost = new_shape_cost
         self.kernels = RecentSizes(32)
+        # Seconds a step of N tokens costs beyond the curve, per N: a runtime
+        # whose kernels differ by token count (None: none).
+        self.by_count = by_count
         self.batch = batch
         self.cost = cost
         self.noise = noise
@@ -94,6 +98,8 @@ class World:
         t = a + b * self.tokens + c * self.batch + (d[0] if d and keep.any() else 0.0)
         if self.kernels.touch(self.tokens):
             t += self.new_shape_cost
+        if self.by_count is not None:
+            t += self.by_count[self.tokens]
         if not resting(self.c):
             t += self.awake_cost
         self.seconds = t * (1.0 + self.noise * self.rng.normal()) if self.noise else t

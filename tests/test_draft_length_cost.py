@@ -151,11 +151,16 @@ def test_goodput_allocation_is_the_exhaustive_optimum():
         q = np.cumprod(p, axis=1)
         a, b = rng.uniform(0.5, 2.0), rng.uniform(0.0, 0.5)
         d = 0.0 if trial % 2 else rng.uniform(0.0, 1.0)   # verify-step cost
+        # A correction per token count, over part of them (none: the line).
+        by_count = None if trial % 3 == 0 else rng.uniform(-0.3, 0.6, int(rng.integers(0, 17)))
 
         def goodput(ks):
-            t = a + b * (3 + sum(ks)) + (d if any(ks) else 0.0)
+            n = 3 + sum(ks)
+            t = a + b * n + (d if any(ks) else 0.0)
+            if by_count is not None and n < len(by_count):
+                t += by_count[n]
             return (3 + sum(q[i, :k].sum() for i, k in enumerate(ks))) / t
 
-        keep, g, _ = goodput_allocation(q, np.ones_like(q, bool), a, b, d)
+        keep, g, _ = goodput_allocation(q, np.ones_like(q, bool), a, b, d, by_count=by_count)
         assert g == pytest.approx(max(goodput(ks) for ks in np.ndindex(5, 5, 5)))
         assert g == pytest.approx(goodput(tuple(keep)))

@@ -131,3 +131,42 @@ def test_singular_subsets_fall_back_to_numpy():
     np.testing.assert_allclose((co["intercept_s"], co["per_token_s"], m.verify_step_s,
                                 m.new_shape_s), (*want[0][:2], *want[1][:2]), rtol=1e-7,
                                atol=1e-13)
+
+
+def reference_count_costs(m: StepCostModel) -> np.ndarray:
+    """Each token count's shrunk mean residual from ``m``'s model as it now
+    charges steps, in numpy."""
+    n = m._len
+    x, y = m._x[:n], m._y[:n]
+    a, b, c, d = m._coef
+    tree = m.tree_token_s if m.tree_per_token else m.tree_step_s
+    resid = y - (a + b * x[:, 0] + c * x[:, 1] + d * x[:, 5] + m.verify_step_s * x[:, 2]
+                 + m.new_shape_s * x[:, 3] + tree * x[:, 4])
+    mad = np.median(np.abs(resid - np.median(resid)))
+    keep = np.abs(resid) <= 5.0 * 1.4826 * mad + 1e-12 * max(float(y.mean()), 1e-12)
+    tok = x[:, 0].astype(np.int64)
+    sums = np.bincount(tok[keep], resid[keep], minlength=tok.max() + 1)
+    rows = np.bincount(tok[keep], minlength=tok.max() + 1)
+    return sums / (rows + m.count_prior)
+
+
+@pytest.mark.parametrize("features", ["tokens", "tokens+batch+context"])
+def test_count_costs_match_the_numpy_reference(features):
+    """The per-count corrections a refit keeps: each count's mean residual
+    from the fitted model, stalls left out, shrunk by the prior rows."""
+    rng = np.random.default_rng(7 + len(features))
+    fitted = 0
+    for trial in range(60):
+        m = _window(rng, features, batch_varies=trial % 2 == 0)
+        m._dirty, m._warm = True, False
+        m._refit()
+        if not m._warm:
+            continue
+        fitted += 1
+        np.testing.assert_allclose(m.by_count, reference_count_costs(m), rtol=1e-9, atol=1e-12)
+    assert fitted > 30
+    m.count_prior = 0.0   # off: the refit keeps none
+    m.by_count = np.zeros(0)
+    m._dirty = True
+    m._refit()
+    assert len(m.by_count) == 0

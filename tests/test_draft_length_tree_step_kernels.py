@@ -82,17 +82,22 @@ def test_both_shapes_in_one_call_equals_two_allocations(seed):
     token_s = float(rng.choice([0.0, 0.002, 0.02]))
     sizes = (None, np.zeros(0, np.int64),
              rng.integers(1, batch * (width + 1) + 1, 4))[seed % 3]
-    as_tree = goodput_allocation(q, valid, a, b + token_s, verify + tree_s, shape_s, sizes)
-    as_chain = goodput_allocation(q_chain, valid_chain, a, b, verify, shape_s, sizes)
+    # Per-count corrections over part of the counts, of either sign.
+    by_count = (None, rng.uniform(-0.2, 0.4, int(rng.integers(0, batch * (width + 1) + 2))))[
+        seed % 2]
+    as_tree = goodput_allocation(q, valid, a, b + token_s, verify + tree_s, shape_s, sizes,
+                                 by_count)
+    as_chain = goodput_allocation(q_chain, valid_chain, a, b, verify, shape_s, sizes, by_count)
     want = (*as_tree, TREE) if as_tree[1] > as_chain[1] else (*as_chain, CHAIN)
     got = tree_allocation(q, valid, q_chain, valid_chain, a, b, verify, tree_s, shape_s, sizes,
-                          token_s)
+                          token_s, by_count)
     assert got[0].tolist() == want[0].tolist() and got[1:] == want[1:]
     # The compiled call itself, with the arguments the wrapper gives it.
     warm = np.zeros(0, np.int64) if sizes is None or shape_s <= 0 else sizes
     keep, goodput, tokens, tree = _both_shapes(q, valid, q_chain, valid_chain, a, b, verify,
                                                tree_s, shape_s, warm, sizes is not None,
-                                               token_s)
+                                               token_s,
+                                               np.zeros(0) if by_count is None else by_count)
     assert keep.tolist() == want[0].tolist() and (goodput, tokens) == want[1:3]
     assert (TREE if tree else CHAIN) == want[3]
 

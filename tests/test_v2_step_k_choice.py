@@ -18,12 +18,14 @@ from vllm_plugins.bridge.v2.step_k import OUTPUT_ATTR, ChosenStepK, from_output
 from vllm_plugins.proposers.draft_length.goodput import uniform_step_k
 
 
-def brute_force(q, valid, a, b, vs):
+def brute_force(q, valid, a, b, vs, by_count=()):
     batch, width = q.shape
     best = (-1.0, 0)
     for k in range(width + 1):
         tokens = batch + sum(q[i, j] for i in range(batch) for j in range(k) if valid[i, j])
         cost = a + b * batch * (1 + k) + (vs if k else 0.0)
+        if batch * (1 + k) < len(by_count):
+            cost += by_count[batch * (1 + k)]
         best = max(best, (tokens / cost, -k))
     return -best[1], best[0]
 
@@ -35,8 +37,9 @@ def test_uniform_step_k_is_the_best_k_for_the_whole_batch(seed):
     q = np.cumprod(rng.uniform(0.2, 1.0, (batch, width)), axis=1)
     valid = np.arange(width)[None, :] < rng.integers(0, width + 1, batch)[:, None]
     a, b, vs = rng.uniform(0.01, 0.05), rng.uniform(1e-4, 5e-3), rng.uniform(0, 3e-3)
-    k, goodput, _ = uniform_step_k(q, valid, a, b, vs)
-    want_k, want_goodput = brute_force(q, valid, a, b, vs)
+    by_count = rng.uniform(-5e-3, 1e-2, int(rng.integers(0, batch * (width + 1) + 2)))
+    k, goodput, _ = uniform_step_k(q, valid, a, b, vs, by_count if seed % 2 else None)
+    want_k, want_goodput = brute_force(q, valid, a, b, vs, by_count if seed % 2 else ())
     assert k == want_k
     assert goodput == pytest.approx(want_goodput)
 
@@ -240,9 +243,10 @@ def test_the_engine_cores_compiled_counts_and_k_are_numpy_s(batch):
         assert np.array_equal(chooser.accepted, hits)
         a, b, v = rng.uniform(0.001, 0.05), rng.uniform(1e-5, 3e-3), rng.uniform(0, 0.01)
         q = np.cumprod(hits / np.maximum(reached, 1e-12))[None, :]
+        by_count = rng.uniform(-2e-3, 5e-3, int(rng.integers(0, 7 * batch + 2)))
         want = uniform_step_k(np.broadcast_to(q, (batch, 6)), np.ones((batch, 6), bool), a, b,
-                              v)[0]
-        assert _uniform_k(chooser.accepted, chooser.reached, batch, a, b, v) == want
+                              v, by_count)[0]
+        assert _uniform_k(chooser.accepted, chooser.reached, batch, a, b, v, by_count) == want
         wanted.add(want)
     assert len(wanted) >= 3  # the steps tell ks apart
 

@@ -106,7 +106,8 @@ class BatchStepK:
             k = self.rng.randrange(self.max_k + 1)
         else:
             a, b = self.cost.line(batch)
-            k = _uniform_k(self.accepted, self.reached, batch, a, b, self.cost.verify_step_s)
+            k = _uniform_k(self.accepted, self.reached, batch, a, b, self.cost.verify_step_s,
+                           self.cost.by_count)
         if k == 0:
             self._zero_run += 1
             if self._zero_run >= self._ZERO_PROBE_GAP:
@@ -153,7 +154,7 @@ def _count(counts, n, decay, reached, hits):
 
 
 @cached_njit
-def _uniform_k(hits, reached, batch, intercept, slope, verify_step_s):
+def _uniform_k(hits, reached, batch, intercept, slope, verify_step_s, by_count):
     """``goodput.uniform_step_k`` for ``batch`` rows that share one
     acceptance curve (cumulative products of hits / reached), with the
     same sums in the same order, so the same k."""
@@ -161,15 +162,20 @@ def _uniform_k(hits, reached, batch, intercept, slope, verify_step_s):
     reach = 1.0
     total = 0.0
     best_k = 0
-    best = batch / max(intercept + slope * batch, 1e-300)
+    idle = intercept + slope * batch
+    if batch < len(by_count):
+        idle += by_count[batch]
+    best = batch / max(idle, 1e-300)
     for k in range(1, width + 1):
         reach *= hits[k - 1] / max(reached[k - 1], 1e-12)
         row_sum = 0.0
         for _ in range(batch):
             row_sum += reach
         total += row_sum
-        goodput = (total + batch) / max(intercept + slope * batch * (1 + k) + verify_step_s,
-                                        1e-300)
+        cost = intercept + slope * batch * (1 + k) + verify_step_s
+        if batch * (1 + k) < len(by_count):
+            cost += by_count[batch * (1 + k)]
+        goodput = (total + batch) / max(cost, 1e-300)
         if goodput > best:
             best, best_k = goodput, k
     return best_k

@@ -29,34 +29,41 @@ if TYPE_CHECKING:
 def goodput_allocation(q: np.ndarray, valid: np.ndarray, intercept: float,
                        slope: float, verify_step_s: float = 0.0,
                        new_shape_s: float = 0.0,
-                       warm_tokens: np.ndarray | None = None
+                       warm_tokens: np.ndarray | None = None,
+                       by_count: np.ndarray | None = None
                        ) -> tuple[np.ndarray, float, float]:
     """Per-row k maximising (B + sum_i sum_{j<k_i} q_ij) / t(N), where
     t(N) = intercept + slope * N, plus ``verify_step_s`` when any k_i > 0,
     plus ``new_shape_s`` when N is not in ``warm_tokens`` (None: every N is
-    warm).
+    warm), plus ``by_count[N]`` where N is within it (``StepCostModel``'s
+    correction at each token count).
 
     ``q[i, j]``: probability that drafts 1..j+1 of row i are all accepted
     (non-increasing in j); ``valid`` marks offered drafts; N = sum_i (1 + k_i)
     is the step's token count and B the number of rows. Greedy marginal
     allocation, exact here: for a given count M of kept drafts the best are
     the M largest q (ties: earlier position first, so each row keeps a
-    prefix), and the best M is chosen with the verify-step cost in every M > 0.
+    prefix), and the best M is chosen with the step's whole time, its terms
+    and its count's correction, in every M.
     Returns (k per row, expected goodput, expected generated tokens).
     """
     warm = _NO_SIZES if warm_tokens is None or new_shape_s <= 0 else warm_tokens
     keep, goodput, tokens = _allocation(np.ascontiguousarray(q, np.float64),
                                         np.ascontiguousarray(valid, np.bool_), float(intercept),
                                         float(slope), float(verify_step_s), float(new_shape_s),
-                                        np.asarray(warm, np.int64), warm_tokens is not None)
+                                        np.asarray(warm, np.int64), warm_tokens is not None,
+                                        _NO_COUNTS if by_count is None
+                                        else np.asarray(by_count, np.float64))
     return keep, goodput, tokens
 
 
 _NO_SIZES = np.zeros(0, np.int64)
+_NO_COUNTS = np.zeros(0)
 
 
 def uniform_step_k(q: np.ndarray, valid: np.ndarray, intercept: float, slope: float,
-                   verify_step_s: float = 0.0) -> tuple[int, float, float]:
+                   verify_step_s: float = 0.0, by_count: np.ndarray | None = None
+                   ) -> tuple[int, float, float]:
     """The one k for every row maximising (B + sum_i sum_{j<k} q_ij) / t(B (1 + k)),
     t as in ``goodput_allocation`` without the shape term: a runner that
     verifies k drafts of every request (padding a shorter one) pays for
@@ -69,6 +76,10 @@ def uniform_step_k(q: np.ndarray, valid: np.ndarray, intercept: float, slope: fl
     tokens[1:] += batch
     ks = np.arange(width + 1)
     cost = intercept + slope * batch * (1 + ks) + np.where(ks > 0, verify_step_s, 0.0)
+    if by_count is not None and len(by_count):
+        counts = batch * (1 + ks)
+        within = counts < len(by_count)
+        cost[within] += by_count[counts[within]]
     goodput = tokens / np.maximum(cost, 1e-300)
     k = int(np.argmax(goodput))
     return k, float(goodput[k]), float(tokens[k])
@@ -76,7 +87,7 @@ def uniform_step_k(q: np.ndarray, valid: np.ndarray, intercept: float, slope: fl
 
 @cached_njit
 def _allocation(q, valid, intercept, slope, verify_step_s, new_shape_s, warm_tokens,
-                shapes_known):
+                shapes_known, by_count):
     """``goodput_allocation``'s greedy order and best count, compiled (it
     runs every step over a few entries, where numpy's sort and cumsum
     dispatch outweighed the work). Entries are listed by position, then
@@ -110,6 +121,8 @@ def _allocation(q, valid, intercept, slope, verify_step_s, new_shape_s, warm_tok
                     warm = True
             if not warm:
                 cost += new_shape_s
+        if batch + m < len(by_count):
+            cost += by_count[batch + m]
         goodput = (batch + cum) / max(cost, 1e-300)
         if goodput > best_goodput:
             best_goodput = goodput
@@ -301,7 +314,8 @@ class GoodputController(EstimatingController):
         rate = self._idle_cache.get(batch)
         if rate is None:
             a, b = self.cost.line(batch)
-            rate = self._idle_cache[batch] = batch / max(a + b * batch, 1e-12)
+            rate = self._idle_cache[batch] = batch / max(
+                a + b * batch + self.cost.count_cost(batch), 1e-12)
         return rate
 
     def _line_cached(self) -> None:
@@ -372,7 +386,8 @@ class GoodputController(EstimatingController):
         rule chooses the k of the next step (``uniform_step_k``). Resting
         is choosing 0 with the top-k and learning skipped too."""
         batch = len(lengths)
-        k, goodput, tokens = uniform_step_k(q, valid, a, b, self.cost.verify_step_s)
+        k, goodput, tokens = uniform_step_k(q, valid, a, b, self.cost.verify_step_s,
+                                            self.cost.by_count)
         if self._rests_instead(batch, goodput, tokens):
             self._choose_next_step_k(0)
             return np.zeros_like(lengths)
@@ -412,7 +427,7 @@ class GoodputController(EstimatingController):
         """The rule's allocation on the step line (intercept, slope):
         (kept drafts per row, expected goodput, expected tokens)."""
         return goodput_allocation(q, valid, intercept, slope, self.cost.verify_step_s,
-                                  self.cost.new_shape_s, self.sizes.array())
+                                  self.cost.new_shape_s, self.sizes.array(), self.cost.by_count)
 
     def counters(self) -> dict[str, dict[str, int]]:
         out = super().counters()

@@ -9,8 +9,8 @@ import numpy as np
 
 from vllm_plugins.options import choice, flag, integer, number
 from vllm_plugins.proposers.draft_length.step_cost_kernels import (NEW_SHAPE, TREE, VERIFY,
-                                                                   design, nnls, refit, screen,
-                                                                   spread)
+                                                                   count_costs, design, nnls,
+                                                                   refit, screen, spread)
 
 # Options of the goodput policy's step-time model.
 COST_OPTIONS = (
@@ -23,6 +23,8 @@ COST_OPTIONS = (
     integer("cost_window", 256, 8, 65536),
     integer("warmup", 16, 3, 65536),
     number("prior_token_cost", 0.001, 0.0),
+    integer("count_prior", 4, 0, 65536,
+            rule="an integer in [0, 65536] (0: the fitted line alone at every token count)"),
 )
 
 
@@ -80,9 +82,20 @@ class StepCostModel:
         t ~= 1 + prior_token_cost * tokens     (unitless; nearly flat)
 
     Only ratios of times matter to the goodput rule, so the prior has no units.
+
     Once warm, the fit is refreshed every ``refit_every`` observations (4;
     the engine core's ``BatchStepK`` takes 16: there a refit, cold after
     the forward, costs more than the rest of its step).
+
+    A line and step terms cannot follow a step time that moves in steps of
+    its own with the token count: the linear layers' kernels differ by row
+    count (docs/benchmarks.md's step-cost table), and a GPU's captured
+    graphs come in sizes. So each refit also keeps, per token count in the
+    window, the mean residual of its steps from the fitted model, shrunk
+    toward 0 by ``count_prior`` rows of prior weight (``by_count``,
+    ``count_costs``); the goodput rule adds it to the time of a step of
+    that many tokens. A count the window does not hold costs what the model
+    says.
     """
 
     _MIN_MODE_STEPS = 4
@@ -91,8 +104,12 @@ class StepCostModel:
                  warmup: int = 16, prior_token_cost: float = 0.001,
                  verify_step_cost: bool = True, shape_cache: int = 32,
                  tree_step_cost: bool = True, refit_every: int = 4, tree_cost: str = "step",
-                 **_: Any):
+                 count_prior: int = 4, **_: Any):
         self.refit_every = int(refit_every)
+        self.count_prior = float(count_prior)
+        # Seconds added to the model's time of a step of N tokens, per N
+        # (``count_costs``); empty: none.
+        self.by_count = _NO_COUNTS
         self.use_batch = cost_features in ("tokens+batch", "tokens+batch+context")
         self.use_context = cost_features == "tokens+batch+context"
         self.context_now = 0.0      # the step being decided: its committed tokens
@@ -205,6 +222,11 @@ class StepCostModel:
         a, b, c, d = self._coef
         return a + c * batch + d * self.context_now, b
 
+    def count_cost(self, tokens: int) -> float:
+        """The correction at ``tokens`` (``by_count``; 0 where there is none)."""
+        by_count = self.by_count
+        return float(by_count[tokens]) if tokens < len(by_count) else 0.0
+
     def coefficients(self) -> dict:
         self._refit()
         a, b, c, d = self._coef
@@ -212,6 +234,8 @@ class StepCostModel:
         return {"intercept_s": a, "per_token_s": b, "per_request_s": c, **out,
                 "verify_step_s": self.verify_step_s, "new_shape_s": self.new_shape_s,
                 "tree_step_s": self.tree_step_s, "tree_token_s": self.tree_token_s,
+                "count_costs_ms": {str(n): round(1e3 * float(v), 3)
+                                   for n, v in enumerate(self.by_count.tolist()) if v},
                 "warm": self._warm, "observations": self.num_observed,
                 "window": self._len,
                 "rmse_s": None if math.isnan(self._rmse) else self._rmse,
@@ -256,6 +280,10 @@ class StepCostModel:
                 self.tree_token_s = tree
             else:
                 self.tree_step_s = tree
+        if self.count_prior > 0:
+            charged = np.array((a, b, c, d, self.verify_step_s, self.new_shape_s,
+                                self.tree_token_s if self.tree_per_token else self.tree_step_s))
+            self.by_count = count_costs(self._x, self._y, n, charged, self.count_prior)
         self._warm = True
 
     def _refit_numpy(self, n: int, got: np.ndarray):
@@ -325,6 +353,9 @@ def _subset_lstsq(xs: np.ndarray, y: np.ndarray, mask: np.ndarray) -> np.ndarray
     c = np.zeros(len(mask))
     c[mask] = np.linalg.lstsq(xs[:, mask], y, rcond=None)[0]
     return c
+
+
+_NO_COUNTS = np.zeros(0)
 
 
 class RecentSizes:

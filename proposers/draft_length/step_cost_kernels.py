@@ -282,3 +282,40 @@ def refit(window, seconds, n, use_batch, use_context, used, last, min_mode, out)
     for k in range(p):
         out[codes[k]] = coef[k]
     return 1, codes, dropped, rmse, slope_se
+
+
+@cached_njit
+def count_costs(window, seconds, n, coef, prior_rows):
+    """Each token count's mean residual from the fitted model, over the
+    window's first ``n`` rows, shrunk toward 0 by ``prior_rows`` rows of
+    prior weight: ``out[N]`` is added to the model's time of a step of N
+    tokens (0 for a count the window does not hold). ``coef``: intercept,
+    tokens, batch, context, then the step terms in the window's column order
+    (verifies, new_shape, tree), each as the model now charges it. A row
+    whose residual is beyond 5 robust sigmas (MAD) is left out, as ``screen``
+    leaves stalls out of the fit."""
+    if n == 0:
+        return np.zeros(0)
+    resid = np.empty(n)
+    top = 0
+    for i in range(n):
+        t = window[i, 0]
+        pred = (coef[0] + coef[1] * t + coef[2] * window[i, 1] + coef[3] * window[i, 5]
+                + coef[4] * window[i, 2] + coef[5] * window[i, 3] + coef[6] * window[i, 4])
+        resid[i] = seconds[i] - pred
+        top = max(top, int(t))
+    med = np.median(resid)
+    mean_y = 0.0
+    for i in range(n):
+        mean_y += seconds[i]
+    limit = 5.0 * 1.4826 * np.median(np.abs(resid - med)) + 1e-12 * max(mean_y / n, 1e-12)
+    sums = np.zeros(top + 1)
+    rows = np.zeros(top + 1)
+    for i in range(n):
+        if abs(resid[i]) <= limit:
+            t = int(window[i, 0])
+            sums[t] += resid[i]
+            rows[t] += 1.0
+    for t in range(top + 1):
+        sums[t] /= rows[t] + prior_rows
+    return sums

@@ -31,8 +31,9 @@ import numpy as np
 from vllm_plugins.proposers.draft_length.acceptance import EPS
 from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.controllers import Observation, trim
-from vllm_plugins.proposers.draft_length.goodput import (_NO_SIZES, GoodputController,
-                                                        _allocation, goodput_allocation)
+from vllm_plugins.proposers.draft_length.goodput import (_NO_COUNTS, _NO_SIZES,
+                                                        GoodputController, _allocation,
+                                                        goodput_allocation)
 from vllm_plugins.proposers.jit import cached_njit
 from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree_into,
                                                               read_tree, well_formed)
@@ -48,7 +49,8 @@ def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
                     valid_chain: np.ndarray, intercept: float, slope: float,
                     verify_step_s: float = 0.0, tree_step_s: float = 0.0,
                     new_shape_s: float = 0.0, warm_tokens: np.ndarray | None = None,
-                    tree_token_s: float = 0.0) -> tuple[np.ndarray, float, float, str]:
+                    tree_token_s: float = 0.0, by_count: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, float, float, str]:
     """The better of the step's two shapes: (kept per row, expected
     goodput, expected tokens, ``TREE`` or ``CHAIN``).
 
@@ -62,7 +64,8 @@ def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
     best path's: a tree allocation that keeps only paths keeps the best
     paths (the M nodes of highest q form a path only along it), which the
     chain allocation prices without the tree terms, so charging them to
-    every tree allocation never loses the optimum.
+    every tree allocation never loses the optimum. ``by_count``: as
+    ``goodput_allocation`` takes it, in both shapes.
     """
     warm = _NO_SIZES if warm_tokens is None or new_shape_s <= 0 else warm_tokens
     keep, goodput, tokens, as_tree = _both_shapes(
@@ -70,21 +73,22 @@ def tree_allocation(q: np.ndarray, valid: np.ndarray, q_chain: np.ndarray,
         np.ascontiguousarray(q_chain, np.float64), np.ascontiguousarray(valid_chain, np.bool_),
         float(intercept), float(slope), float(verify_step_s), float(tree_step_s),
         float(new_shape_s), np.asarray(warm, np.int64), warm_tokens is not None,
-        float(tree_token_s))
+        float(tree_token_s), _NO_COUNTS if by_count is None else np.asarray(by_count, np.float64))
     return keep, goodput, tokens, TREE if as_tree else CHAIN
 
 
 @cached_njit
 def _both_shapes(q, valid, q_chain, valid_chain, intercept, slope, verify_step_s, tree_step_s,
-                 new_shape_s, warm_tokens, shapes_known, tree_token_s):
+                 new_shape_s, warm_tokens, shapes_known, tree_token_s, by_count):
     """``tree_allocation``'s two allocations (``goodput._allocation``) in one
     call: (kept per row, expected goodput, expected tokens, the tree shape
     won). One compiled call a step rather than two behind their wrappers'
     conversions."""
     as_tree = _allocation(q, valid, intercept, slope + tree_token_s,
-                          verify_step_s + tree_step_s, new_shape_s, warm_tokens, shapes_known)
+                          verify_step_s + tree_step_s, new_shape_s, warm_tokens, shapes_known,
+                          by_count)
     as_chain = _allocation(q_chain, valid_chain, intercept, slope, verify_step_s,
-                           new_shape_s, warm_tokens, shapes_known)
+                           new_shape_s, warm_tokens, shapes_known, by_count)
     if as_tree[1] > as_chain[1]:
         return as_tree[0], as_tree[1], as_tree[2], True
     return as_chain[0], as_chain[1], as_chain[2], False
@@ -391,10 +395,10 @@ class TreeGoodputController(GoodputController):
             self.tree_probes += 1
             step.mode = TREE
             return goodput_allocation(q, valid, intercept, slope, cost.verify_step_s,
-                                      cost.new_shape_s, sizes)
+                                      cost.new_shape_s, sizes, cost.by_count)
         keep, goodput, tokens, step.mode = tree_allocation(
             q, valid, step.q_chain, step.valid_chain, intercept, slope, cost.verify_step_s,
-            cost.tree_step_s, cost.new_shape_s, sizes, cost.tree_token_s)
+            cost.tree_step_s, cost.new_shape_s, sizes, cost.tree_token_s, cost.by_count)
         return keep, goodput, tokens
 
     def _tree_probe_due(self) -> bool:
