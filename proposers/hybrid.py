@@ -76,9 +76,9 @@ class HybridProposer(PluginProposer):
         flag("source_costs", True),
     )
     # The goodput rule prices every node it keeps, but on a CPU, where each
-    # verified token costs a few percent of a step, a budget of 16 let it keep
-    # more nodes than paid: 8 ran level with 16 on first turns and at batch 8,
-    # and 3% faster on second turns (docs/benchmarks.md, against vLLM suffix).
+    # verified token costs a few percent of a step, a budget of 16 keeps more
+    # nodes and runs no faster than 8 (docs/benchmarks.md, against vLLM
+    # suffix): the smaller trees cost less host time for the same speed.
     DEFAULT_NUM_SPECULATIVE_TOKENS = 8
     CAN_REST = True        # every source catches up from the context itself
     SHAPES_TREES = True    # calibration reads outcomes; sources learn from ``sent``

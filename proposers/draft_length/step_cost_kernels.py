@@ -298,16 +298,15 @@ def count_costs(window, seconds, n, coef, prior_rows):
         return np.zeros(0)
     resid = np.empty(n)
     top = 0
+    mean_y = 0.0
     for i in range(n):
         t = window[i, 0]
         pred = (coef[0] + coef[1] * t + coef[2] * window[i, 1] + coef[3] * window[i, 5]
                 + coef[4] * window[i, 2] + coef[5] * window[i, 3] + coef[6] * window[i, 4])
         resid[i] = seconds[i] - pred
         top = max(top, int(t))
-    med = np.median(resid)
-    mean_y = 0.0
-    for i in range(n):
         mean_y += seconds[i]
+    med = np.median(resid)
     limit = 5.0 * 1.4826 * np.median(np.abs(resid - med)) + 1e-12 * max(mean_y / n, 1e-12)
     sums = np.zeros(top + 1)
     rows = np.zeros(top + 1)
