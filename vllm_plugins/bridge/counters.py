@@ -174,7 +174,7 @@ def take_growth(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
     reporters = 0
     proposer = state.proposer
     if proposer is not None:
-        _grow(grown, last, state.counters, _step_counters(state.counters))
+        _grow_steps(grown, last, state.counters)
         _grow(grown, last, proposer, proposer.counters())
         reporters = 2
     for counted in processors:
@@ -187,10 +187,31 @@ def take_growth(state: Any, processors: Iterable[Counted] = ()) -> Snapshot:
     return grown
 
 
+#: The bridge's own step counters (``StepCounters``' fields, ``_step_values``).
+_STEP_METRICS = ("steps", "malformed_drafts", "tree_steps", "tree_requests", "kv_moved_tokens")
+
+
+def _step_values(c: Any) -> tuple[int, ...]:
+    return c.steps, c.malformed_drafts, c.tree_steps, c.tree_requests, c.kv_moved
+
+
 def _step_counters(c: Any) -> Snapshot:
-    return {"steps": {"": c.steps}, "malformed_drafts": {"": c.malformed_drafts},
-            "tree_steps": {"": c.tree_steps}, "tree_requests": {"": c.tree_requests},
-            "kv_moved_tokens": {"": c.kv_moved}}
+    return {name: {"": value} for name, value in zip(_STEP_METRICS, _step_values(c))}
+
+
+def _grow_steps(grown: Snapshot, last: dict, c: Any) -> None:
+    """``_grow`` of the bridge's step counters, kept as one tuple: they
+    change every step, and a tuple is cheaper to build and compare than a
+    dict per metric. No other reporter reports these metrics."""
+    values = _step_values(c)
+    kept = last.get(id(c))
+    before = kept[1] if kept is not None and kept[0] is c else (0,) * len(values)
+    if values == before:
+        return
+    last[id(c)] = (c, values)
+    for name, now, was in zip(_STEP_METRICS, values, before):
+        if now > was:
+            grown[name] = {"": now - was}
 
 
 def _grow(grown: Snapshot, last: dict, reporter: Any, reported: Snapshot) -> None:

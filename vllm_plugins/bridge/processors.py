@@ -14,7 +14,10 @@ import functools
 import weakref
 from typing import Any, Callable, Iterable
 
-_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# (id of a holder, kind) -> (a weak reference to the holder, its processors of
+# that kind). A plain dict read and one call of the reference: a
+# WeakKeyDictionary's get builds a reference and runs Python code per call.
+_FOUND: dict[tuple[int, type], tuple[weakref.ref, tuple]] = {}
 
 
 def _all(holder: Any) -> Iterable:
@@ -24,16 +27,24 @@ def _all(holder: Any) -> Iterable:
 def of_kind(holder: Any, kind: type, members: Callable[[Any], Iterable] = _all) -> tuple:
     """The processors ``members(holder)`` lists (default: a V1
     ``LogitsProcessors``' ``all``) that are ``kind``, in their order."""
+    key = (id(holder), kind)
+    hit = _FOUND.get(key)
+    if hit is not None and hit[0]() is holder:
+        return hit[1]
+    found = tuple(p for p in members(holder) if isinstance(p, kind))
     try:
-        found = _FOUND.get(holder)
-        if found is None:
-            found = _FOUND[holder] = {}
+        ref = weakref.ref(holder, functools.partial(_forget, key))
     except TypeError:
-        found = {}
-    hit = found.get(kind)
-    if hit is None:
-        hit = found[kind] = tuple(p for p in members(holder) if isinstance(p, kind))
-    return hit
+        return found
+    _FOUND[key] = (ref, found)
+    return found
+
+
+def _forget(key: tuple[int, type], ref: weakref.ref) -> None:
+    """A holder went: its entry goes, unless a new holder took its id first."""
+    hit = _FOUND.get(key)
+    if hit is not None and hit[0] is ref:
+        del _FOUND[key]
 
 
 @functools.cache
