@@ -152,10 +152,11 @@ def test_scheduler_holds_blocked_requests_and_ends_errors():
 
 
 def test_runner_output_carries_matcher_errors():
-    # bridge/grammar_hold.py: sample_tokens returns the step's output (or an
-    # async one with get_output); logits processors are on
-    # input_batch.logitsprocs.all; a ModelRunnerOutput keeps an attribute
-    # of ours through pickling (a multiprocess executor's channel).
+    # bridge/worker_report.py: the worker's sample_tokens returns the runner's
+    # output (or an async one with get_output), made after sampling, while
+    # input_batch.req_ids still maps the processors' rows; logits processors
+    # are on input_batch.logitsprocs.all; a ModelRunnerOutput keeps an
+    # attribute of ours through pickling (a multiprocess executor's channel).
     import dataclasses
 
     from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
@@ -166,7 +167,7 @@ def test_runner_output_carries_matcher_errors():
 
     vllm_plugins.register()
     assert params(GPUModelRunner.sample_tokens) == ["self", "grammar_output"]
-    src = inspect.getsource(GPUModelRunner.sample_tokens.__wrapped__)
+    src = inspect.getsource(inspect.unwrap(GPUModelRunner.sample_tokens))
     assert "sampler_output = self._sample(logits, spec_decode_metadata)" in src
     assert "get_output" in AsyncModelRunnerOutput.__abstractmethods__
     assert dataclasses.is_dataclass(ModelRunnerOutput)

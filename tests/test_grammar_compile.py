@@ -276,6 +276,37 @@ def test_the_processor_reports_a_matcher_error_once_by_batch_index(
     assert take_reports(batch)[0] == {}  # reported once
 
 
+def test_the_worker_hook_puts_the_steps_matcher_errors_on_its_output(
+        vllm_config, tokenizer_ids):
+    from types import SimpleNamespace
+
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.sample.logits_processor import BatchUpdate
+    from vllm.v1.sample.logits_processor.state import LogitsProcessors
+
+    from vllm_plugins.bridge.grammar_hold import ERRORS_ATTR
+    from vllm_plugins.bridge.worker_report import wrap_worker_sample_tokens
+    from vllm_plugins.logits_processors.grammar import GrammarLogitsProcessor
+
+    proc = GrammarLogitsProcessor(vllm_config, torch.device("cpu"), False)
+    vocab = vllm_config.model_config.get_vocab_size()
+    bad = []
+    sp = request("x", {"regex": "(ab)+"}).sampling_params
+    proc.update_state(BatchUpdate(2, [], [(1, sp, [1], bad)], []))
+    batch = SimpleNamespace(logitsprocs=LogitsProcessors([proc]), req_ids=[None, "req-bad"])
+    worker = SimpleNamespace(model_runner=SimpleNamespace(input_batch=batch))
+    sample_tokens = wrap_worker_sample_tokens(lambda w, grammar_output: ModelRunnerOutput(
+        req_ids=["req-bad"], req_id_to_index={"req-bad": 0}))
+    proc.apply(torch.zeros(2, vocab))
+    assert not hasattr(sample_tokens(worker, None), ERRORS_ATTR)
+    bad.extend(tokenizer_ids("xyz"))
+    proc.apply(torch.zeros(2, vocab))
+    errors = getattr(sample_tokens(worker, None), ERRORS_ATTR)
+    assert list(errors) == ["req-bad"] and errors["req-bad"]
+    proc.apply(torch.zeros(2, vocab))
+    assert not hasattr(sample_tokens(worker, None), ERRORS_ATTR)   # reported once
+
+
 def test_the_report_rides_the_runner_output_to_another_process():
     """Under a multiprocess executor the output rank's ModelRunnerOutput is
     pickled to the engine core: our attribute goes with it."""

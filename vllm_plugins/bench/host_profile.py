@@ -71,7 +71,7 @@ STEP_PATCHES = ("runner.step_clock", "runner.verified_topk", "runner.propose",
                 "tree.depth_positions", "tree.forward_plan", "tree.cpu_attention", "verify.bonus_rows",
                 "verify.target_rows", "verify.bonus_min_tokens",
                 "grammar.send_held_specs", "grammar.worker_compiles_held_specs",
-                "grammar.report_matcher_errors", "grammar.end_on_matcher_errors",
+                "grammar.end_on_matcher_errors",
                 "worker.step_reports")
 
 # (component, "module:Qualname") of each function timed as that component.

@@ -13,9 +13,9 @@ argument, ``vllm_plugins.grammar.spec.GRAMMAR_KEY``) and nothing else:
   through the scheduler's own ``grammar_compile_error_reqs``. A grammar
   already compiled in this process is not held at all.
 * **End on matcher error.** The grammar processor marks a request whose
-  output its grammar can no longer follow; after each step the model
-  runner's ``sample_tokens`` (wrapped here) hands those request ids to the
-  scheduler on the step's ``ModelRunnerOutput`` (an attribute of ours,
+  output its grammar can no longer follow; after each step the worker's
+  ``sample_tokens`` (``bridge/worker_report.py``) hands those request ids to
+  the scheduler on the step's ``ModelRunnerOutput`` (an attribute of ours,
   which pickles with it to a multiprocess executor's scheduler). The
   scheduler drops that step's token of the request and finishes it with
   ``FINISHED_ERROR``: finish reason ``error`` (HTTP 500 from the OpenAI
@@ -236,23 +236,6 @@ def wrap_handle_blocked_waiting_request(original):
         return True
 
     return _handle_blocked_waiting_request
-
-
-def wrap_sample_tokens(original):
-    # vllm.v1.worker.gpu_model_runner.GPUModelRunner.sample_tokens(self,
-    # grammar_output) samples the step (logits processors run in it) and
-    # returns its ModelRunnerOutput, or an AsyncModelRunnerOutput whose
-    # get_output() gives it. input_batch.req_ids maps this step's rows to
-    # request ids until the next step's _update_states reorders the batch.
-    @functools.wraps(original)
-    def sample_tokens(self, grammar_output):
-        out = original(self, grammar_output)
-        errors, weights = grammar_weights.take_reports(self.input_batch)
-        if errors or weights:
-            attach_to_output(out, {ERRORS_ATTR: errors, grammar_weights.WEIGHTS_ATTR: weights})
-        return out
-
-    return sample_tokens
 
 
 @functools.cache

@@ -43,8 +43,11 @@ def take_reports(input_batch: Any) -> tuple[dict[str, str], dict[str, list[float
         return {}, {}
     errors: dict[str, str] = {}
     weights: dict[str, list[float]] = {}
+    grammar = grammar_processors(procs)
+    if not grammar:
+        return errors, weights
     req_ids = input_batch.req_ids
-    for proc in grammar_processors(procs):
+    for proc in grammar:
         for out, taken in ((errors, proc.take_failures()), (weights, proc.take_awrs_weights())):
             for index, value in taken.items():
                 if index < len(req_ids) and req_ids[index] is not None:

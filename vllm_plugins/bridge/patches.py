@@ -188,11 +188,6 @@ PATCHES: tuple[Patch, ...] = (
           "a worker process starts compiling held specs off its loop",
           _PROCESSOR_PINS + "test_scheduler_output_reaches_every_worker_with_held_specs",
           grammar_hold.wrap_worker_execute_model, when=grammar_hold.hold_enabled),
-    Patch("grammar.report_matcher_errors", _RUNNER + ".sample_tokens",
-          "the step's output names the requests whose grammar failed in it, "
-          "and carries AWRS requests' weights (bridge.grammar_weights)",
-          _PROCESSOR_PINS + "test_runner_output_carries_matcher_errors",
-          grammar_hold.wrap_sample_tokens),
     Patch("grammar.end_on_matcher_errors", _SCHEDULER + ".update_from_output",
           "a request whose grammar failed ends with finish reason error, "
           "not a silent stop; an AWRS request's weights add up and reach its "
@@ -201,9 +196,10 @@ PATCHES: tuple[Patch, ...] = (
           _PROCESSOR_PINS + "test_scheduler_holds_blocked_requests_and_ends_errors",
           grammar_hold.wrap_update_from_output),
     Patch("worker.step_reports", "vllm.v1.worker.gpu_worker:Worker.sample_tokens",
-          "what our runner state's counters grew in the step, and on V2 the "
-          "k our drafter wants next, ride the step's output to the scheduler "
-          "(bridge.worker_report)",
+          "what our runner state's counters grew in the step, the requests "
+          "whose grammar failed in it with AWRS requests' weights "
+          "(bridge.grammar_weights), and on V2 the k our drafter wants next, "
+          "ride the step's output to the scheduler (bridge.worker_report)",
           _METRICS_PINS + "test_worker_sample_tokens_returns_the_runners_output",
           worker_report.wrap_worker_sample_tokens),
     Patch("metrics.scheduler_stats_field",
