@@ -34,6 +34,7 @@ import math
 
 import numpy as np
 
+from vllm_plugins.proposers.array_table import ArrayTable, mat, vec
 from vllm_plugins.proposers.jit import cached_njit
 from vllm_plugins.proposers.token_recycling_tables import RecyclingTables, _hash
 
@@ -107,6 +108,12 @@ class TreeBuffers:
         self.out_parent = np.zeros(budget, np.int64)
         self.out_p = np.zeros(budget, np.float64)  # conditional probability
         self.span = np.zeros(budget, np.int64)
+        # ``_grow_best_first_table``'s view of them.
+        self.table = ArrayTable(
+            (self.span, self.cand_tok, self.cand_lp, self.cand_n, self.next_child,
+             self.node_tok, self.node_parent, self.node_lp, self.node_span, self.heap_lp,
+             self.heap_node, self.heap_seq, self.seq, self.out_tok, self.out_parent,
+             self.out_p), _BEST_FIRST_TABLE)
 
     def fits(self, budget: int, k: int, order: int) -> bool:
         return budget <= self.budget and k <= self.k and order <= self.order
@@ -152,12 +159,9 @@ class TreeBuilder:
         tail = context[-order:]
         min_lp = -np.inf if min_confidence <= 0 else math.log(min_confidence)
         if self.builder == "best_first":
-            n = _grow_best_first(t.ids, t.logp, t.ctx_key, t.ctx_tok, t.ctx_logp,
-                                 t.context_order, tail, budget, min_lp, b.span, n_span,
-                                 lp_span, b.cand_tok, b.cand_lp, b.cand_n, b.next_child,
-                                 b.node_tok, b.node_parent, b.node_lp, b.node_span,
-                                 b.heap_lp, b.heap_node, b.heap_seq, b.seq,
-                                 b.out_tok, b.out_parent, b.out_p)
+            n = _grow_best_first_table(t.ids, t.logp, t.ctx_key, t.ctx_tok, t.ctx_logp,
+                                       t.context_order, tail, budget, min_lp, n_span, lp_span,
+                                       b.table.table)
         else:
             size = min(budget, TEMPLATE_SIZE)
             n = _grow_template(t.ids, t.logp, t.ctx_key, t.ctx_tok, t.ctx_logp,
@@ -378,6 +382,28 @@ def _heap_pop(heap_lp, heap_node, heap_seq, size):
         heap_seq[best], heap_seq[i] = heap_seq[i], heap_seq[best]
         i = best
     return size
+
+
+_I64, _F64 = np.int64, np.float64
+# ``TreeBuffers`` as an ``ArrayTable`` for ``_grow_best_first_table``: (dtype,
+# dimensions) by row, in ``_grow_best_first``'s order (``span``, ``cand_tok`` ..
+# ``seq``, ``out_tok`` .. ``out_p``).
+_BEST_FIRST_TABLE = ((_I64, 1), (_I64, 2), (_F64, 2), (_I64, 1), (_I64, 1), (_I64, 1),
+                     (_I64, 1), (_F64, 1), (_I64, 1), (_F64, 1), (_I64, 1), (_I64, 1),
+                     (_I64, 1), (_I64, 1), (_I64, 1), (_F64, 1))
+
+
+@cached_njit
+def _grow_best_first_table(ids, logp, ctx_key, ctx_tok, ctx_logp, order, tail, budget, min_lp,
+                           n_span, lp_span, t):
+    """``_grow_best_first`` with the builder's buffers as a table: a tree
+    is built every drafting step, after a forward."""
+    return _grow_best_first(
+        ids, logp, ctx_key, ctx_tok, ctx_logp, order, tail, budget, min_lp, vec(t, 0, _I64),
+        n_span, lp_span, mat(t, 1, _I64), mat(t, 2, _F64), vec(t, 3, _I64), vec(t, 4, _I64),
+        vec(t, 5, _I64), vec(t, 6, _I64), vec(t, 7, _F64), vec(t, 8, _I64), vec(t, 9, _F64),
+        vec(t, 10, _I64), vec(t, 11, _I64), vec(t, 12, _I64), vec(t, 13, _I64),
+        vec(t, 14, _I64), vec(t, 15, _F64))
 
 
 @cached_njit

@@ -1,6 +1,7 @@
 """The goodput policies' per-step compiled shortcuts against the code
-they replace, over random inputs: ``price_tree_into`` against
-``price_tree`` and the copies into the step's matrices, ``_both_shapes``
+they replace, over random inputs: ``price_tree_into`` (and through its
+table, ``price_tree_table``) against ``price_tree`` and the copies into
+the step's matrices, ``_both_shapes``
 against two ``goodput_allocation`` calls (proposers/draft_length/tree_goodput.py),
 ``rest._corrected`` against ``ModeRates``' own reads."""
 
@@ -10,12 +11,15 @@ import numpy as np
 import pytest
 
 from tests.test_draft_length_tree import tree_controller
+from vllm_plugins.proposers.array_table import ArrayTable
 from vllm_plugins.proposers.draft_length.acceptance import EPS
 from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.goodput import goodput_allocation
 from vllm_plugins.proposers.draft_length.tree_goodput import (CHAIN, TREE, _both_shapes,
                                                               tree_allocation)
-from vllm_plugins.proposers.draft_length.tree_kernels import price_tree, price_tree_into
+from vllm_plugins.proposers.draft_length.tree_kernels import (PRICE_TABLE, price_tree,
+                                                              price_tree_into,
+                                                              price_tree_table)
 
 
 def _random_parents(rng, n):
@@ -57,12 +61,22 @@ def test_pricing_into_the_matrices_equals_pricing_then_copying(seed):
         wq[i, :n], wv[i, :n] = q_ranked, True
         wqc[i, :len(path)], wvc[i, :len(path)] = q_path, True
         wl[i] = len(path)
-        got = price_tree_into(*args, i, q, valid, q_chain, valid_chain, lengths_chain)
-        for g, w in zip(got, (depth, q_raw, ranked, path)):
-            assert g.tolist() == w.tolist()
-        for g, w in zip((q, valid, q_chain, valid_chain, lengths_chain),
-                        (wq, wv, wqc, wvc, wl)):
-            assert g.tolist() == w.tolist()
+        # The same through the calibrations' table (what the controller calls).
+        table = ArrayTable((*tables[:6], cal.EDGES, cal.s, cal.e), PRICE_TABLE)
+        scalars = np.array((confidence.depth - 1, tables[6], EPS, cal._STRENGTH, EPS,
+                            1.0 - EPS))
+        inputs = (q, valid, q_chain, valid_chain, lengths_chain)
+        for through_table, (q, valid, q_chain, valid_chain, lengths_chain) in (
+                (False, [x.copy() for x in inputs]), (True, [x.copy() for x in inputs])):
+            got = (price_tree_table(parents, conf, row, table.table, scalars, calibrate, i, q,
+                                    valid, q_chain, valid_chain, lengths_chain)
+                   if through_table else
+                   price_tree_into(*args, i, q, valid, q_chain, valid_chain, lengths_chain))
+            for g, w in zip(got, (depth, q_raw, ranked, path)):
+                assert g.tolist() == w.tolist()
+            for g, w in zip((q, valid, q_chain, valid_chain, lengths_chain),
+                            (wq, wv, wqc, wvc, wl)):
+                assert g.tolist() == w.tolist()
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -8,10 +8,13 @@ handful of rows, where dispatch (twice as dear with the caches cold after
 a forward) outweighed the arithmetic. These loops do the same over the
 slot arrays in place; ``EstimatingController`` says what the numbers mean.
 
-The per-step entry points (``learn_step``, ``learn_bound_step``, ``settle_step``)
-take their state as flat arguments, not tuples: numba types a tuple
-argument element by element on every call, about twice as slowly as the
-same values passed one by one, and these run every step.
+The per-step entry points take their state as flat arguments, not tuples:
+numba types a tuple argument element by element on every call, about twice
+as slowly as the same values passed one by one, and these run every step.
+The controller calls the learning through ``learn_step_table`` and
+``learn_bound_step_table``, whose state arrays come as one
+``ArrayTable`` (``proposers/array_table.py``): thirty-odd arrays cost a
+cold call more to enter than the learning costs to run.
 """
 
 from __future__ import annotations
@@ -21,8 +24,26 @@ import numpy as np
 from vllm_plugins.proposers.draft_length.calibration_kernels import (learn_kept, learn_prefix,
                                                                     remember_kept,
                                                                     remember_prefix)
+from vllm_plugins.proposers.array_table import mat, vec
 from vllm_plugins.proposers.draft_length.estimator_kernels import learn_rows, probs_rows
 from vllm_plugins.proposers.jit import cached_njit
+
+_I64, _F64 = np.int64, np.float64
+# The learning's state as an ``ArrayTable`` (``EstimatingController._kernel_state``),
+# (dtype, dimensions) by row: the slots' cut drafts and probes, the estimator,
+# the prefix calibration, the confidence calibration, the bound's slots.
+LEARN_TABLE = (
+    (_I64, 1), (_I64, 1), (np.bool_, 1), (_I64, 1),                # cut_token .. probe_level
+    (_F64, 2), (_F64, 2), (np.int16, 2), (np.int16, 2), (_I64, 1),  # acc_s .. win_pos
+    (_F64, 1), (_F64, 1), (_F64, 1),                                # glob, gps, gpn
+    (_F64, 2), (_F64, 1), (_F64, 1), (_F64, 1),                     # q_used, edges, ps, pe
+    (np.float32, 2), (_F64, 1), (_F64, 1), (_F64, 2), (_F64, 2),    # conf_kept .. cpn
+    (_F64, 1), (_F64, 1),                                           # cal_s, cal_e
+    (_I64, 1), (np.bool_, 1),                                       # zero_streak, conf_seen
+)
+#: Its scalars, in a float64 vector, by position.
+LEARN_SCALARS = ("depth", "gdecay", "prior", "decay", "ewma", "threshold", "strength", "eps",
+                 "pdecay", "cstrength", "cgdecay", "cdecay")
 
 
 @cached_njit
@@ -174,7 +195,7 @@ def learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, 
     ``learn_outcomes`` takes them). With ``foresee``, ``foreseen`` gets each
     observed cut draft's acceptance as the estimate gave it before this
     step. The state is ``EstimatingController._kernel_state``'s tuples,
-    flattened (``_learn_args``). Returns (cut drafts observed, rows the
+    flattened (``_learn_state``). Returns (cut drafts observed, rows the
     change detector reset)."""
     n, m, peek_at, hit = outcomes[0], outcomes[1], outcomes[2], outcomes[3]
     peeks = step_outcomes(rows, info, trees, cut_token, cut_at, observe_cut, probing,
@@ -221,6 +242,49 @@ def learn_bound_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen
                               gps, gpn, depth, gdecay, prior, decay, ewma, threshold, strength,
                               eps)
     return peeks, changes, probs, bound
+
+
+@cached_njit
+def _learn_state(t, x, prefix_on, calibrate_on):
+    """``learn_step``'s state arguments (``cut_token`` .. ``cdecay``) from
+    the table ``t`` (``LEARN_TABLE``) and scalars ``x`` (``LEARN_SCALARS``);
+    ``prefix_on``/``calibrate_on`` None: that calibration is off (its
+    arguments None, as ``learn_step`` takes them)."""
+    head = (vec(t, 0, _I64), vec(t, 1, _I64), vec(t, 2, np.bool_), vec(t, 3, _I64),
+            mat(t, 4, _F64), mat(t, 5, _F64), mat(t, 6, np.int16), mat(t, 7, np.int16),
+            vec(t, 8, _I64), vec(t, 9, _F64), vec(t, 10, _F64), vec(t, 11, _F64),
+            int(x[0]), x[1], x[2], x[3], x[4] != 0.0, x[5], x[6], x[7])
+    if prefix_on is None:
+        prefix = (None, None, None, None, None)
+    else:
+        prefix = (mat(t, 12, _F64), vec(t, 13, _F64), vec(t, 14, _F64), vec(t, 15, _F64), x[8])
+    if calibrate_on is None:
+        calibrate = (None, None, None, None, None, None, None, None, None, None)
+    else:
+        calibrate = (mat(t, 16, np.float32), vec(t, 17, _F64), vec(t, 18, _F64),
+                     mat(t, 19, _F64), mat(t, 20, _F64), vec(t, 21, _F64), vec(t, 22, _F64),
+                     x[9], x[10], x[11])
+    return head + prefix + calibrate
+
+
+@cached_njit
+def learn_step_table(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec,
+                     ex, t, x, prefix_on, calibrate_on):
+    """``learn_step`` with its state as a table (``_learn_state``)."""
+    return learn_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej, ec,
+                      ex, *_learn_state(t, x, prefix_on, calibrate_on))
+
+
+@cached_njit
+def learn_bound_step_table(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej,
+                           ec, ex, t, x, prefix_on, calibrate_on, bound_threshold, gap,
+                           max_backoff, max_draft):
+    """``learn_bound_step`` with its state as a table (``_learn_state``;
+    ``zero_streak`` and ``conf_seen`` its last rows)."""
+    return learn_bound_step(rows, info, trees, observe_cut, foresee, outcomes, foreseen, er, ej,
+                            ec, ex, *_learn_state(t, x, prefix_on, calibrate_on),
+                            bound_threshold, gap, max_backoff, max_draft, vec(t, 23, _I64),
+                            vec(t, 24, np.bool_))
 
 
 @cached_njit

@@ -27,9 +27,10 @@ from vllm_plugins.proposers.draft_length.acceptance import (ESTIMATOR_OPTIONS, A
                                                            clip)
 from vllm_plugins.proposers.draft_length.calibration import (
     CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator, prefix_probabilities)
-from vllm_plugins.proposers.draft_length.controller_kernels import (count_decisions,
-                                                                   learn_bound_step, learn_step,
-                                                                   settle_step)
+from vllm_plugins.proposers.array_table import ArrayTable
+from vllm_plugins.proposers.draft_length.controller_kernels import (
+    LEARN_SCALARS, LEARN_TABLE, count_decisions, learn_bound_step_table, learn_step_table,
+    settle_step)
 from vllm_plugins.proposers.draft_length.slots import RequestSlots
 
 if TYPE_CHECKING:  # duck-typed at run time; no import cost, no cycle
@@ -187,6 +188,23 @@ _EXTRA_TYPES = (np.int64, np.int64, np.float64, np.float64)
 _NO_EXTRA = tuple(np.zeros(0, t) for t in _EXTRA_TYPES)
 
 
+def _learn_table(slot: tuple, est: tuple, prefix: tuple | None, calibrate: tuple | None,
+                 bound: tuple) -> tuple:
+    """The learning's state as ``learn_step_table`` takes it: (its arrays'
+    ``ArrayTable``, its scalars, prefix calibration on (True) or None,
+    confidence calibration on or None). ``slot``, ``est``, ``prefix``,
+    ``calibrate``: ``_kernel_state``'s tuples; ``bound``: the bound's slot
+    arrays (``zero_streak``, ``conf_seen``)."""
+    arrays = (*slot, *est[:8], *(prefix[:4] if prefix else (None,) * 4),
+              *(calibrate[:7] if calibrate else (None,) * 7), *bound)
+    scalars = (*est[8:], prefix[4] if prefix else 0.0,
+               *(calibrate[7:] if calibrate else (0.0,) * 3))
+    if len(scalars) != len(LEARN_SCALARS):
+        raise ValueError(f"{len(scalars)} scalars for LEARN_SCALARS' {len(LEARN_SCALARS)}")
+    return (ArrayTable(arrays, LEARN_TABLE), np.array(scalars, np.float64),
+            None if prefix is None else True, None if calibrate is None else True)
+
+
 def trim(drafts: Drafts, keep: list[int]) -> Drafts:
     """The first ``keep[i]`` drafts of each row (tokens, probability rows,
     confidences, parents: a prefix of a tree is a tree)."""
@@ -291,17 +309,19 @@ class EstimatingController(DraftLengthController):
         self._kernel_state()
         outcomes = np.empty((4, batch), np.int64)
         foreseen = np.empty(batch) if self.counting_free else _NO_VALUES
+        table, scalars, prefix_on, calibrate_on = self._learn_table
         args = (rows, info, _NO_FLAGS if trees is None else trees, self.observe_cut,
                 self.counting_free, outcomes, foreseen,
-                *(_NO_EXTRA if extra is None else extra), *self._learn_args)
+                *(_NO_EXTRA if extra is None else extra), table.table, scalars, prefix_on,
+                calibrate_on)
         if bound is None:
-            peeks, changes = learn_step(*args)
+            peeks, changes = learn_step_table(*args)
         else:
             # Confidences only arrive with the drafts: no bound for rows given
             # them (``conf_seen``).
-            peeks, changes, bound.probs, bounds = learn_bound_step(
+            peeks, changes, bound.probs, bounds = learn_bound_step_table(
                 *args, float(self._length_threshold(bound)), self._probe_gap(),
-                self._MAX_BACKOFF, self.max_draft, *self._bound_extra)
+                self._MAX_BACKOFF, self.max_draft)
             bound.bounds = dict(zip([r.req_id for r in ctx.requests], bounds.tolist()))
         self.estimator.changes += changes
         if peeks:
@@ -394,8 +414,8 @@ class EstimatingController(DraftLengthController):
         confidence calibration) and for settling (probe and cut slots, kept
         confidences). Rebuilt when the slots grow, which replaces their
         arrays; with it the same flattened as the compiled steps take them
-        (``_learn_args``, ``_bound_extra``, ``_settle_args``: None for a
-        calibration that is off)."""
+        (``_learn_table``, ``_settle_args``: None for a calibration that is
+        off)."""
         if self._state_capacity != self.slots.capacity:
             a = self.slots.arrays
             cal = self.calibrator
@@ -407,9 +427,9 @@ class EstimatingController(DraftLengthController):
                 (a["zero_streak"], a["probe_level"], a["probing"], a["cut_at"]),
                 None if cal is None else (a["conf_kept"], a["conf_seen"]))
             slot, est, prefix, learn_cal, settle_slot, settle_cal = state
-            self._learn_args = (*slot, *est, *(prefix or (None,) * 5),
-                                *(learn_cal or (None,) * 10))
-            self._bound_extra = (a["zero_streak"], _NO_FLAGS if cal is None else a["conf_seen"])
+            self._learn_table = _learn_table(
+                slot, est, prefix, learn_cal,
+                (a["zero_streak"], _NO_FLAGS if cal is None else a["conf_seen"]))
             self._settle_args = (*settle_slot, *(settle_cal or (None, None)))
             self._state_capacity = self.slots.capacity
         return self._state

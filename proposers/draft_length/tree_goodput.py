@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from vllm_plugins.proposers.array_table import ArrayTable
 from vllm_plugins.proposers.draft_length.acceptance import EPS
 from vllm_plugins.proposers.draft_length.calibration import OutcomeCalibrator
 from vllm_plugins.proposers.draft_length.controllers import Observation, trim
@@ -35,7 +36,8 @@ from vllm_plugins.proposers.draft_length.goodput import (_NO_COUNTS, _NO_SIZES,
                                                         GoodputController, _allocation,
                                                         goodput_allocation)
 from vllm_plugins.proposers.jit import cached_njit
-from vllm_plugins.proposers.draft_length.tree_kernels import (lay_out, price_tree_into,
+from vllm_plugins.proposers.draft_length.tree_kernels import (PRICE_SCALARS, PRICE_TABLE,
+                                                              lay_out, price_tree_table,
                                                               read_tree, well_formed)
 
 if TYPE_CHECKING:
@@ -97,7 +99,7 @@ def _both_shapes(q, valid, q_chain, valid_chain, intercept, slope, verify_step_s
 @dataclass
 class TreeRow:
     """One request's offered tree at ``decide`` (the q the rule reads of
-    its nodes went straight into the step's matrices: ``price_tree_into``)."""
+    its nodes went straight into the step's matrices: ``price_tree_table``)."""
 
     index: int              # batch row
     tokens: np.ndarray
@@ -344,31 +346,37 @@ class TreeGoodputController(GoodputController):
         """Each tree row's nodes with their calibrated path probabilities,
         ranked (the tree shape, into ``q``/``valid``) and its best path (the
         chain shape, into ``q_chain``/``valid_chain``/``lengths_chain``)."""
-        state = self._price_state()
+        table, scalars, calibrate = self._price_state()
         out = []
         for i, parents in found:
             n = int(lengths[i])
             conf = np.asarray(drafts.confidence[i][:n], np.float64)
-            depth, q_raw, ranked, path = price_tree_into(
-                parents, conf, int(rows[i]), *state, i, q, valid, q_chain, valid_chain,
-                lengths_chain)
+            depth, q_raw, ranked, path = price_tree_table(
+                parents, conf, int(rows[i]), table.table, scalars, calibrate, i, q, valid,
+                q_chain, valid_chain, lengths_chain)
             out.append(TreeRow(i, np.asarray(drafts.tokens[i][:n], np.int64), parents, depth,
                                conf, q_raw, ranked, path))
         return out
 
     def _price_state(self) -> tuple:
-        """``price_tree``'s arguments after the slot row: the confidence
-        calibration's tables (``_kernel_state``, whose slot arrays are
-        replaced when the slots grow) and the outcome calibration's, which
-        are updated in place."""
+        """``price_tree_table``'s state: (the confidence calibration's tables
+        (``_kernel_state``, whose slot arrays are replaced when the slots
+        grow) and the outcome calibration's, which are updated in place, as
+        an ``ArrayTable``; their scalars (``PRICE_SCALARS``); whether the
+        outcome calibration is on)."""
         cal_state = self._kernel_state()[3]
         if self._price_capacity != self._state_capacity:
             cal = self.path_calibration
             calibrate = cal is not None
             outcomes = ((OutcomeCalibrator.EDGES, cal.s, cal.e) if calibrate
                         else (_NO_EDGES, _NO_EDGES, _NO_EDGES))
-            self._price = (self.calibrator.depth - 1, *cal_state[1:8], EPS, calibrate,
-                           *outcomes, OutcomeCalibrator._STRENGTH, EPS, 1.0 - EPS)
+            scalars = (self.calibrator.depth - 1, cal_state[7], EPS,
+                       OutcomeCalibrator._STRENGTH, EPS, 1.0 - EPS)
+            if len(scalars) != len(PRICE_SCALARS):
+                raise ValueError(f"{len(scalars)} scalars for PRICE_SCALARS' "
+                                 f"{len(PRICE_SCALARS)}")
+            self._price = (ArrayTable((*cal_state[1:7], *outcomes), PRICE_TABLE),
+                           np.array(scalars, np.float64), calibrate)
             self._price_capacity = self._state_capacity
         return self._price
 

@@ -15,8 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_plugins.proposers.array_table import mat, vec
 from vllm_plugins.proposers.draft_length.calibration_kernels import _bucket, calibrated_at
 from vllm_plugins.proposers.jit import cached_njit
+
+_F64 = np.float64
+# The pricing's calibration tables as an ``ArrayTable`` (``price_tree_table``):
+# (dtype, dimensions) by row, ``gs`` .. ``cal_e`` then ``edges``, ``s``, ``e``.
+PRICE_TABLE = ((_F64, 1), (_F64, 1), (_F64, 2), (_F64, 2), (_F64, 1), (_F64, 1),
+               (_F64, 1), (_F64, 1), (_F64, 1))
+#: Its scalars, in a float64 vector, by position.
+PRICE_SCALARS = ("last_position", "conf_strength", "eps", "strength", "lo", "hi")
 
 
 @cached_njit
@@ -122,6 +131,18 @@ def price_tree_into(parents, conf, row, last_position, gs, gn, gps, gpn, cal_s, 
         valid_chain[i, j] = True
     lengths_chain[i] = len(q_path)
     return depth, q_raw, ranked, path
+
+
+@cached_njit
+def price_tree_table(parents, conf, row, t, x, calibrate, i, q, valid, q_chain, valid_chain,
+                     lengths_chain):
+    """``price_tree_into`` with the calibrations' tables as a table
+    (``PRICE_TABLE``) and their scalars as ``x`` (``PRICE_SCALARS``)."""
+    return price_tree_into(
+        parents, conf, row, int(x[0]), vec(t, 0, _F64), vec(t, 1, _F64), mat(t, 2, _F64),
+        mat(t, 3, _F64), vec(t, 4, _F64), vec(t, 5, _F64), x[1], x[2], calibrate,
+        vec(t, 6, _F64), vec(t, 7, _F64), vec(t, 8, _F64), x[3], x[4], x[5], i, q, valid,
+        q_chain, valid_chain, lengths_chain)
 
 
 @cached_njit

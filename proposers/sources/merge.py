@@ -30,6 +30,7 @@ from itertools import accumulate
 
 import numpy as np
 
+from vllm_plugins.proposers.array_table import ArrayTable
 from vllm_plugins.proposers.sources import merge_kernels
 from vllm_plugins.proposers.sources.base import PROBLEMS
 from vllm_plugins.proposers.sources.calibrate import SourceCalibrator
@@ -79,6 +80,14 @@ class MergeBuffers:
         self.chain_cond = np.zeros(nodes, np.float64)
         # The merged nodes' and the best chains' estimates as drafts carry them.
         self.draft_cond = np.zeros((2, nodes), np.float32)
+        # ``merge_kernels.merge_step_table``'s view of them.
+        self.table = ArrayTable(
+            (self.c_tok, self.c_par, self.c_raw, self.c_src, self.c_seg, self.local_depth,
+             self.map, self.tok, self.par, self.cond, self.mask, self.depth, self.q,
+             self.first_child, self.next_sibling, self.raw, self.new_index, self.order,
+             self.out_tok, self.out_par, self.out_cond, self.out_mask, self.out_depth,
+             self.out_q, self.out_raw, self.chain_idx, self.chain_tok, self.chain_cond,
+             self.draft_cond), merge_kernels.MERGE_TABLE)
 
     def fits(self, nodes: int, sources: int) -> bool:
         return nodes <= self.nodes and sources <= self.sources
@@ -311,13 +320,9 @@ class Merger:
         res = b.results(len(parts) + 3 * len(counts))
         meta, tok, par, raw, status_given = _flat_trees(meta, parts, total, res)
         c = calibrator
-        done = merge_kernels.merge_step(
+        done = merge_kernels.merge_step_table(
             tok, par, raw, self.vocab_size, meta, len(parts), c.s, c.n, c.sd, c.nd,
-            c.strength, b.c_tok, b.c_par, b.c_raw, b.c_src, b.c_seg, b.local_depth, b.map,
-            b.tok, b.par, b.cond, b.mask, b.depth, b.q, b.first_child, b.next_sibling, b.raw,
-            b.new_index, b.order, b.out_tok, b.out_par, b.out_cond, b.out_mask, b.out_depth,
-            b.out_q, b.out_raw, b.chain_idx, b.chain_tok, b.chain_cond, b.draft_cond, res,
-            status_given, node_count)
+            c.strength, b.table.table, res, status_given, node_count)
         return MergedStep(b, done, res, len(parts))
 
     def outcomes_step(self, trees, starts, lengths, emitted, src_accepted: np.ndarray,

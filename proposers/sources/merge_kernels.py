@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_plugins.proposers.array_table import mat, vec
 from vllm_plugins.proposers.jit import cached_njit
 from vllm_plugins.proposers.sources.base import valid_tree
 from vllm_plugins.proposers.sources.calibrate import _learn as learn_calibration
@@ -93,6 +94,35 @@ def merge_step(tok, par, raw, vocab, meta, n_trees, cal_s, cal_n, cal_sd, cal_nd
                     node_count[s] += 1
         at += k
     return at
+
+
+_I64, _F64 = np.int64, np.float64
+# ``merge.MergeBuffers`` as an ``ArrayTable``, (dtype, dimensions) by row, in
+# ``merge_step``'s order of them (``c_tok`` .. ``draft_cond``).
+MERGE_TABLE = (
+    *((_I64, 1),) * 2, (_F64, 1), *((_I64, 1),) * 2,        # c_tok, c_par, c_raw, c_src, c_seg
+    *((_I64, 1),) * 4, (_F64, 1), (_I64, 1), (_I64, 1),     # local_depth .. m_depth
+    (_F64, 1), (_I64, 1), (_I64, 1), (_F64, 2), (_I64, 1),  # m_q .. new_index
+    (_I64, 1), (_I64, 1), (_I64, 1), (_F64, 1), (_I64, 1),  # order .. out_mask
+    (_I64, 1), (_F64, 1), (_F64, 2), (_I64, 1), (_I64, 1),  # out_depth .. chain_tok
+    (_F64, 1), (np.float32, 2),                             # chain_cond, draft_cond
+)
+
+
+@cached_njit
+def merge_step_table(tok, par, raw, vocab, meta, n_trees, cal_s, cal_n, cal_sd, cal_nd,
+                     strength, t, res, status_given, node_count):
+    """``merge_step`` with the merger's buffers as a table (``MERGE_TABLE``)."""
+    return merge_step(
+        tok, par, raw, vocab, meta, n_trees, cal_s, cal_n, cal_sd, cal_nd, strength,
+        vec(t, 0, _I64), vec(t, 1, _I64), vec(t, 2, _F64), vec(t, 3, _I64), vec(t, 4, _I64),
+        vec(t, 5, _I64), vec(t, 6, _I64), vec(t, 7, _I64), vec(t, 8, _I64), vec(t, 9, _F64),
+        vec(t, 10, _I64), vec(t, 11, _I64), vec(t, 12, _F64), vec(t, 13, _I64),
+        vec(t, 14, _I64), mat(t, 15, _F64), vec(t, 16, _I64), vec(t, 17, _I64),
+        vec(t, 18, _I64), vec(t, 19, _I64), vec(t, 20, _F64), vec(t, 21, _I64),
+        vec(t, 22, _I64), vec(t, 23, _F64), mat(t, 24, _F64), vec(t, 25, _I64),
+        vec(t, 26, _I64), vec(t, 27, _F64), mat(t, 28, np.float32), res, status_given,
+        node_count)
 
 
 @cached_njit
