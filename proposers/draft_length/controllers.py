@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vllm_plugins.options import number
+from vllm_plugins.proposers.array_table import ArrayTable
 from vllm_plugins.proposers.draft_length.acceptance import (ESTIMATOR_OPTIONS, AcceptanceEstimator,
                                                            clip)
 from vllm_plugins.proposers.draft_length.calibration import (
     CONFIDENCE_OPTIONS, ConfidenceCalibrator, PrefixCalibrator, prefix_probabilities)
-from vllm_plugins.proposers.array_table import ArrayTable
 from vllm_plugins.proposers.draft_length.controller_kernels import (
     LEARN_SCALARS, LEARN_TABLE, count_decisions, learn_bound_step_table, learn_step_table,
     settle_step)
