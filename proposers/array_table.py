@@ -3,10 +3,11 @@
 After a forward has evicted the caches, entering a compiled call costs by
 its arguments: numba types and unboxes each from its Python object, and a
 call taking thirty-odd arrays costs about five times one taking a few
-(some 27 us against 6 us on a 2-core EPYC). A controller's state arrays
-live as long as their owner, so they travel as one int64 table of their
-addresses and shapes, made when the arrays are (re)made, and the kernel
-reads each through ``vec`` or ``mat`` with the dtype its layout declares.
+(some 27 us against 6 us on a 2-core EPYC). A controller's state and a
+merger's or tree builder's buffers live as long as their owner, so they
+travel as one int64 table of their addresses and shapes, made when the
+arrays are (re)made, and the kernel reads each through ``vec`` or ``mat``
+with the dtype its layout declares.
 
 The table holds raw addresses: an ``ArrayTable`` keeps its arrays alive,
 and its owner makes a new one whenever it replaces any of them.
