@@ -93,6 +93,8 @@ class TreeAttentionPlan:
 # More runs of consecutive blocks than this and a request's K/V are gathered
 # with index_select and then converted: a run is a copy each for K and V.
 MAX_RUNS = 4
+# A bias entry: a position the row sees, one it does not.
+_VISIBLE, _HIDDEN = np.float32(0.0), np.float32(-np.inf)
 
 
 def block_runs(blocks: list[int]) -> tuple | None:
@@ -134,14 +136,16 @@ def request_attention(first_row: int, seq_len: int, block_table_row: torch.Tenso
     # microseconds on a CPU whose caches a forward has just evicted.
     if isinstance(mask, torch.Tensor):
         mask = mask.cpu().numpy()
-    bias = np.zeros((query_len, seq_len), dtype=np.float32)
-    bias[:, seq_len - query_len:][~mask] = -np.inf
+    bias = np.zeros((group, query_len, seq_len), dtype=np.float32)
+    bias[:, :, seq_len - query_len:] = np.where(mask, _VISIBLE, _HIDDEN)
+    bias = torch.from_numpy(bias.reshape(group * query_len, seq_len))
+    if not block_table_row.is_cpu:
+        bias = bias.to(block_table_row.device)
     num_blocks = -(-seq_len // block_size)
     blocks = block_table_row[:num_blocks].long()
-    return RequestAttention(first_row, first_row + query_len, seq_len, blocks,
-                            torch.from_numpy(np.tile(bias, (group, 1)))
-                            .to(block_table_row.device),
+    return RequestAttention(first_row, first_row + query_len, seq_len, blocks, bias,
                             block_runs(blocks.tolist()))
+
 
 
 class Workspace:

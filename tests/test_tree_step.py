@@ -97,6 +97,14 @@ def test_step_mask_against_ancestry_reference():
                     want = (s - 1) in ref_ancestors(parents, t - 1)
                 assert bool(mask[start + t, s]) == want, (parents, t, s)
         start += q
+    # One tree alone (the common step) is its own block.
+    for parents in (TREE_A, TREE_B):
+        q = len(parents) + 1
+        got = tree_step.step_mask([parents], [q])
+        start = parents_list.index(parents)
+        start = sum(lens[:start])
+        assert got.shape == (q, q) and got.dtype == np.bool_
+        assert np.array_equal(got, mask[start:start + q, :q])
     with pytest.raises(ValueError, match="query tokens"):
         tree_step.step_mask([TREE_B], [3])
 

@@ -100,12 +100,13 @@ def greedy_accept(parents: Sequence[Sequence[int] | None],
     goes, so greedy output stays token for token that of decoding without
     drafts. Among equally long paths (only possible when siblings repeat a
     token) the first sibling in node order wins at each level.
-    ``target_argmax``: argmax ids per packed row (a tensor, or a host
-    array), or the rows themselves ([rows, vocab], argmax taken here).
+    ``target_argmax``: argmax ids per packed row (a tensor, a host array or
+    a list), or the rows themselves ([rows, vocab], argmax taken here).
     """
     if isinstance(target_argmax, torch.Tensor) and target_argmax.ndim == 2:
         target_argmax = first_argmax(target_argmax)
-    best = target_argmax.tolist()  # one transfer for the whole step
+    # One transfer for the whole step.
+    best = target_argmax if isinstance(target_argmax, list) else target_argmax.tolist()
     out = []
     for r, start in enumerate(row_starts(tokens)):
         toks = [int(t) for t in tokens[r]]

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -144,6 +145,12 @@ def step_mask(parents_list, query_lens) -> np.ndarray:
     request's step tokens token t may see. A request with parents None is
     causal (a chain, or a prompt chunk); a tree request's query is its root
     and its nodes."""
+    for parents, q in zip(parents_list, query_lens):
+        if parents is not None and len(parents) + 1 != int(q):
+            raise ValueError(f"a tree of {len(parents)} nodes needs {len(parents) + 1} "
+                             f"query tokens, got {int(q)}")
+    if len(parents_list) == 1 and parents_list[0] is not None:
+        return ancestor_mask_numpy(parents_list[0])   # the common step: one tree, one array
     total = int(sum(query_lens))
     width = int(max(query_lens)) if len(query_lens) else 0
     mask = np.zeros((total, width), dtype=bool)
@@ -153,9 +160,6 @@ def step_mask(parents_list, query_lens) -> np.ndarray:
         if parents is None:
             mask[start:start + q, :q] = np.tri(q, dtype=bool)
         else:
-            if len(parents) + 1 != q:
-                raise ValueError(f"a tree of {len(parents)} nodes needs {len(parents) + 1} "
-                                 f"query tokens, got {q}")
             mask[start:start + q, :q] = ancestor_mask_numpy(parents)
         start += q
     return mask
@@ -395,17 +399,21 @@ def request_rows(step: TreeStep, num_draft) -> list[int]:
 
 
 def stash_top1(ids: np.ndarray | None, logprobs: np.ndarray | None, starts: list[int],
-               step: TreeStep) -> list[np.ndarray | None]:
+               step: TreeStep) -> list[list[int] | None]:
     """Per tree request, the argmax of each of its rows read from the step's
     top-k stash (``ids``/``logprobs`` over every logits row, taken where
-    ``topk.first_is_argmax`` held), or None where a row's top-1
-    log-probability is not finite: that request's rows are read whole."""
+    ``topk.first_is_argmax`` held), as a list, or None where a row's top-1
+    log-probability is not finite: that request's rows are read whole. The
+    stash's first column is read once, as lists: a few numpy calls per
+    request cost more than the step's rows in Python."""
     if ids is None:
         return [None] * len(step.requests)
+    top1, first_lps = ids[:, 0].tolist(), logprobs[:, 0].tolist()
     out = []
     for s, r in zip(starts, step.requests):
-        rows = slice(s, s + len(r.tokens) + 1)
-        out.append(ids[rows, 0] if np.isfinite(logprobs[rows, 0]).all() else None)
+        stop = s + len(r.tokens) + 1
+        finite = all(map(math.isfinite, first_lps[s:stop]))
+        out.append(top1[s:stop] if finite else None)
     return out
 
 
@@ -434,11 +442,12 @@ def accept(step: TreeStep, params, tree_logits: torch.Tensor, num_draft_all,
         return tree_logits[starts[i]:starts[i] + len(reqs[i].tokens) + 1]
 
     if greedy:
-        argmax = [acceptance.first_argmax(rows(i)) if top1 is None or top1[i] is None
-                  else top1[i] for i in greedy]
+        argmax = []
+        for i in greedy:
+            argmax += (acceptance.first_argmax(rows(i)).tolist()
+                       if top1 is None or top1[i] is None else top1[i])
         got = acceptance.greedy_accept(
-            [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy],
-            argmax[0] if len(argmax) == 1 else torch.cat([torch.as_tensor(a) for a in argmax]))
+            [reqs[i].parents for i in greedy], [reqs[i].tokens for i in greedy], argmax)
         for i, a in zip(greedy, got):
             out[i] = a
     if sampled:
