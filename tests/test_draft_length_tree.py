@@ -388,3 +388,23 @@ def test_trees_are_drafted_to_what_the_rule_keeps(cost, fewer):
     else:
         assert nodes > 0.9 * whole_nodes, nodes
     assert rate > 0.97 * whole_rate, (rate, whole_rate)
+
+
+def test_a_tree_steps_matrices_start_zeroed_and_apart_whatever_the_last_step_left():
+    """The every-row-a-tree step's matrices are views of one kept buffer:
+    each call hands them back zeroed, each its own memory, of the dtypes
+    and shapes the pricing kernel writes."""
+    c = make_controller("goodput", {}, 16)
+    kinds = (np.float64, np.float64, np.int64, np.int64, np.bool_, np.bool_)
+    for batch, width in ((1, 5), (3, 7), (1, 5)):
+        got = c._empty_matrices(batch, width)
+        for a, kind in zip(got, kinds):
+            assert a.dtype == kind and a.flags.c_contiguous and a.flags.writeable
+            assert a.shape == ((batch,) if kind is np.int64 else (batch, width))
+            assert not a.any()
+        for n, a in enumerate(got):   # what a step leaves behind
+            a[...] = n + 1
+        for n, a in enumerate(got):
+            assert (a == (True if a.dtype == np.bool_ else n + 1)).all()
+    again = c._empty_matrices(1, 5)
+    assert all(not a.any() for a in again)

@@ -159,6 +159,7 @@ class TreeGoodputController(GoodputController):
         # Batch row -> (nodes sent, their parents as sent, the nodes as an array).
         self._layouts: dict[int, tuple[list[int], list[int], np.ndarray]] = {}
         self._price_capacity = -1   # _price_state
+        self._matrices: dict[tuple[int, int], tuple] = {}   # _empty_matrices
         self._verified_a_tree = False
         self._tree_probe_at = -self._TREE_PROBE_GAP
         self.tree_probes = 0
@@ -305,10 +306,8 @@ class TreeGoodputController(GoodputController):
         q_raw = conf = None
         every_row = len(found) == batch   # the common step: every row a tree
         if every_row:   # no chain candidates: the matrices start empty
-            chain_lengths = np.zeros(batch, np.int64)
-            q, valid = np.zeros((batch, width)), np.zeros((batch, width), np.bool_)
-            q_chain, valid_chain = np.zeros((batch, width)), np.zeros((batch, width), np.bool_)
-            lengths_chain = np.zeros(batch, np.int64)
+            q, q_chain, chain_lengths, lengths_chain, valid, valid_chain = \
+                self._empty_matrices(batch, width)
         else:
             trees = np.zeros(batch, dtype=bool)
             for i, _ in found:
@@ -338,6 +337,28 @@ class TreeGoodputController(GoodputController):
                             q_raw, conf)
         self._lay_out(ctx, rows, step, keep)
         return np.where(trees, keep, kept)
+
+    def _empty_matrices(self, batch: int, width: int) -> tuple:
+        """Zeroed ``q``, ``q_chain`` [batch, width] float64, ``chain_lengths``,
+        ``lengths_chain`` [batch] int64, ``valid``, ``valid_chain`` [batch,
+        width] bool, for a step whose every row is a tree: views of one
+        buffer kept by shape, zeroed in one call (six arrays made afresh
+        cost six numpy calls, each slow after a forward). Nothing holds them
+        past the step (``TreeStep`` goes with it)."""
+        kept = self._matrices.get((batch, width))
+        if kept is None:
+            if len(self._matrices) >= 64:
+                self._matrices.clear()
+            cells = batch * width
+            raw = np.zeros(8 * (2 * cells + 2 * batch) + 2 * cells, np.uint8)
+            floats = raw[:16 * cells].view(np.float64).reshape(2, batch, width)
+            ints = raw[16 * cells:16 * cells + 16 * batch].view(np.int64).reshape(2, batch)
+            flags = raw[16 * cells + 16 * batch:].view(np.bool_).reshape(2, batch, width)
+            kept = self._matrices[(batch, width)] = (
+                raw, (floats[0], floats[1], ints[0], ints[1], flags[0], flags[1]))
+        else:
+            kept[0].fill(0)
+        return kept[1]
 
     def _candidates(self, rows: np.ndarray, drafts: Drafts, lengths: np.ndarray,
                     found: list[tuple[int, np.ndarray]], q: np.ndarray, valid: np.ndarray,
