@@ -84,17 +84,16 @@ def ancestor_mask(parents: Sequence[int], device=None) -> torch.Tensor:
 
 
 def ancestor_mask_numpy(parents: Sequence[int]) -> np.ndarray:
-    """``ancestor_mask`` as a numpy array: each row's visible columns listed
-    in Python and set at once (a tensor write per node costs more than the
-    whole list after a forward has evicted torch's code)."""
+    """``ancestor_mask`` as a numpy array: each row a copy of its parent's
+    row with its own column set, as bytes, and one array made of them all
+    (a tensor write per node, or numpy's fancy indexing, costs more than
+    the whole walk after a forward has evicted their code)."""
     n = len(parents)
-    rows, cols = list(range(n + 1)), [0] * (n + 1)   # every row sees the root
-    seen: list[list[int]] = [[]]
+    root = bytearray(n + 1)
+    root[0] = 1   # every row sees the root
+    rows = [root]
     for i, parent in enumerate(parents):
-        own = seen[int(parent) + 1] + [i + 1]
-        seen.append(own)
-        rows += [i + 1] * len(own)
-        cols += own
-    mask = np.zeros((n + 1, n + 1), dtype=bool)
-    mask[rows, cols] = True
-    return mask
+        row = bytearray(rows[int(parent) + 1])
+        row[i + 1] = 1
+        rows.append(row)
+    return np.frombuffer(bytearray().join(rows), np.bool_).reshape(n + 1, n + 1)
