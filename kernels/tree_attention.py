@@ -147,7 +147,6 @@ def request_attention(first_row: int, seq_len: int, block_table_row: torch.Tenso
                             block_runs(blocks.tolist()))
 
 
-
 class Workspace:
     """float32 buffers that every layer of a step reuses, sized for its
     largest request, and each request's views of them, made once: a layer
