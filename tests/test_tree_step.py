@@ -101,8 +101,7 @@ def test_step_mask_against_ancestry_reference():
     for parents in (TREE_A, TREE_B):
         q = len(parents) + 1
         got = tree_step.step_mask([parents], [q])
-        start = parents_list.index(parents)
-        start = sum(lens[:start])
+        start = sum(lens[:parents_list.index(parents)])
         assert got.shape == (q, q) and got.dtype == np.bool_
         assert np.array_equal(got, mask[start:start + q, :q])
     with pytest.raises(ValueError, match="query tokens"):

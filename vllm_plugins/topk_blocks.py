@@ -16,10 +16,10 @@ times slower than ``log_softmax``). ``exp(x - max)`` is ``2**y`` with
 1/2``: ``2**r`` by its Taylor series to degree 7 (relative error under 1e-8,
 below float32's resolution) and ``2**n`` by its float32 bits, cast in a
 register (``_f32_from_bits``), their product summed in the same pass: one
-loop that the compiler vectorises whole and that stores nothing (written
-out to buffers and summed after, the same arithmetic took 1.7 times as
-long). The normaliser then differs from ``log_softmax``'s in its last bits
-only (another summation order: about 1e-6 of its size).
+loop that the compiler vectorises whole and that stores nothing (buffers
+for the two halves, read back to be summed, cost more than the arithmetic).
+The normaliser then differs from ``log_softmax``'s in its last bits only
+(another summation order: about 1e-6 of its size).
 """
 
 from __future__ import annotations
