@@ -1,21 +1,49 @@
 """The step-time model's compiled refit against the numpy it replaced
 (written out here as the reference): same columns, same outliers, the same
-coefficients, spread and slope error up to the last bits of a solve."""
+coefficients, spread and slope error up to the last bits of a solve; and
+where a column subset is exactly singular, the same fitted values."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from vllm_plugins.proposers.draft_length import step_cost_kernels as kernels
 from vllm_plugins.proposers.draft_length.step_cost import StepCostModel
 from vllm_plugins.proposers.draft_length.step_cost_kernels import independent as _independent
 
 TERMS = ("verify_step_s", "new_shape_s", "tree_step_s")
 
 
+def nnls_numpy(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The non-negative fit in numpy: every column subset's plain fit on
+    max-scaled columns in one batched solve (each subset's ``lstsq``, the
+    minimum-norm answer, where one is singular), the best non-negative."""
+    scale = np.maximum(np.abs(x).max(0), 1e-12)
+    xs = x / scale
+    g, h = xs.T @ xs, xs.T @ y
+    p = x.shape[1]
+    masks = ((np.arange(1, 2 ** p)[:, None] >> np.arange(p)[None, :]) & 1).astype(bool)
+    pair = masks[:, :, None] & masks[:, None, :]
+    eye = np.eye(p, dtype=bool)[None] & ~masks[:, None, :]
+    try:
+        c = np.linalg.solve(np.where(pair, g, 0.0) + eye,
+                            np.where(masks, h, 0.0)[..., None])[..., 0]
+    except np.linalg.LinAlgError:
+        c = np.zeros(masks.shape)
+        for i, m in enumerate(masks):
+            c[i, m] = np.linalg.lstsq(xs[:, m], y, rcond=None)[0]
+    gain = np.where((c >= 0).all(1), c @ h, -np.inf)
+    best = int(np.argmax(gain))
+    if not gain[best] > 0:
+        return np.zeros(p)
+    return c[best] / scale
+
+
 def reference_refit(m: StepCostModel):
     """The numpy refit over ``m``'s window: (a, b, c, d), the step terms,
-    outliers, rmse, slope standard error; None where the token count has
+    outliers, rmse, slope standard error, the rows fitted, and whether
+    their columns were linearly dependent; None where the token count has
     not varied."""
     n = m._len
     tok, bat, y = m._x[:n, 0], m._x[:n, 1], m._y[:n]
@@ -41,16 +69,17 @@ def reference_refit(m: StepCostModel):
         else:
             y -= marked * terms[name]
     x = np.stack(cols, 1)
-    coef = StepCostModel._nnls_numpy(x, y)
+    coef = nnls_numpy(x, y)
     resid = y - x @ coef
     mad = np.median(np.abs(resid - np.median(resid)))
     keep = np.abs(resid) <= 5.0 * 1.4826 * mad + 1e-12 * max(float(y.mean()), 1e-12)
     outliers = int(n - keep.sum())
     if 0 < outliers and keep.sum() >= max(3, x.shape[1] + 1):
-        coef = StepCostModel._nnls_numpy(x[keep], y[keep])
+        coef = nnls_numpy(x[keep], y[keep])
         resid = y[keep] - x[keep] @ coef
     rmse = float(np.sqrt(np.mean(resid ** 2)))
-    xk = x[keep] if 0 < outliers and keep.sum() >= x.shape[1] + 1 else x
+    rows = keep if 0 < outliers and keep.sum() >= x.shape[1] + 1 else np.ones(n, bool)
+    xk = x[rows]
     dof = max(len(xk) - xk.shape[1], 1)
     try:
         cov = np.linalg.inv(xk.T @ xk) * float(np.sum(resid ** 2)) / dof
@@ -60,7 +89,17 @@ def reference_refit(m: StepCostModel):
     got = dict(zip(names, (float(v) for v in coef)))
     terms.update({t: got[t] for t in TERMS if t in got})
     return ((got["a"], got["b"], got.get("c", 0.0), got.get("d", 0.0)),
-            tuple(terms[t] for t in TERMS), outliers, rmse, slope_se)
+            tuple(terms[t] for t in TERMS), outliers, rmse, slope_se, rows,
+            bool(np.linalg.matrix_rank(xk) < xk.shape[1]))
+
+
+def window_seconds(m: StepCostModel, line, terms) -> np.ndarray:
+    """The seconds a model (line: a, b, c, d; the step terms) gives each
+    step of ``m``'s window."""
+    w = m._x[:m._len]
+    a, b, c, d = line
+    return (a + b * w[:, 0] + c * w[:, 1] + d * w[:, 5] + terms[0] * w[:, 2]
+            + terms[1] * w[:, 3] + terms[2] * w[:, 4])
 
 
 def _window(rng, features, batch_varies):
@@ -87,6 +126,8 @@ def _window(rng, features, batch_varies):
 
 @pytest.mark.parametrize("features", ["tokens", "tokens+batch", "tokens+batch+context"])
 def test_compiled_refit_matches_the_numpy_reference(features):
+    """Where the columns fitted are linearly dependent the coefficients
+    are not unique: there the seconds of the rows fitted are compared."""
     rng = np.random.default_rng(len(features))
     fitted = 0
     for trial in range(150):
@@ -97,40 +138,64 @@ def test_compiled_refit_matches_the_numpy_reference(features):
         if want is None:
             continue
         fitted += 1
-        (a, b, c, d), terms, outliers, rmse, slope_se = want
+        line, terms, outliers, rmse, slope_se, rows, dependent = want
         co = m.coefficients()
         got = (co["intercept_s"], co["per_token_s"], co["per_request_s"],
                co.get("per_context_token_s", 0.0))
-        np.testing.assert_allclose(got, (a, b, c, d), rtol=1e-7, atol=1e-13)
-        np.testing.assert_allclose([getattr(m, t) for t in TERMS], terms, rtol=1e-7,
-                                   atol=1e-13)
+        got_terms = [getattr(m, t) for t in TERMS]
+        np.testing.assert_allclose(window_seconds(m, got, got_terms)[rows],
+                                   window_seconds(m, line, terms)[rows], rtol=1e-7,
+                                   atol=1e-12)
+        if not dependent:
+            np.testing.assert_allclose(got, line, rtol=1e-7, atol=1e-13)
+            np.testing.assert_allclose(got_terms, terms, rtol=1e-7, atol=1e-13)
         assert m._outliers == outliers
         assert m._rmse == pytest.approx(rmse, rel=1e-7, abs=1e-15)
         assert m.slope_se == pytest.approx(slope_se, rel=1e-5, abs=1e-15)
     assert fitted > 100
 
 
-def test_singular_subsets_fall_back_to_numpy():
+def test_singular_subsets_are_passed_over_with_the_optimum_kept():
     """Every step either verifies or runs a new token count: the two flags
-    sum to the intercept's column, the subset of all three is singular,
-    and the fit is numpy's."""
-    from vllm_plugins.proposers.draft_length import step_cost_kernels as kernels
-
+    sum to the intercept's column, so the subset of all three is exactly
+    singular. The compiled refit passes it over and still fits (status 1),
+    with numpy's fitted values and residual spread."""
     m = StepCostModel(cost_features="tokens", warmup=8)
     for i in range(64):
         tokens = 1 + i % 7 if i % 3 else 1
         m.observe(tokens, 1, 0.02 + 0.001 * tokens + 0.003 * (tokens > 1), tokens > 1,
                   tokens == 1)
-    m._dirty, m._warm = True, False
-    status = kernels.refit(m._x, m._y, m._len, False, False, np.ones(3, np.bool_),
-                           np.zeros(3), 4.0, np.zeros(7))[0]
-    assert status == 2
-    want = reference_refit(m)
-    m._refit()
-    co = m.coefficients()
-    np.testing.assert_allclose((co["intercept_s"], co["per_token_s"], m.verify_step_s,
-                                m.new_shape_s), (*want[0][:2], *want[1][:2]), rtol=1e-7,
-                               atol=1e-13)
+    used, last = np.ones(3, np.bool_), np.zeros(3)
+    x, y, codes = kernels.design(m._x, m._y, m._len, False, False, used, last, 4.0)
+    assert list(codes) == [kernels.INTERCEPT, kernels.TOKENS, kernels.VERIFY,
+                           kernels.NEW_SHAPE]
+    assert np.linalg.matrix_rank(x) == 3
+    status, _, _, rmse, _ = kernels.refit(m._x, m._y, m._len, False, False, used, last, 4.0,
+                                          np.zeros(7))
+    assert status == 1
+    want = nnls_numpy(x, y)
+    np.testing.assert_allclose(x @ kernels.nnls(x, y), x @ want, rtol=1e-9, atol=1e-12)
+    assert rmse == pytest.approx(float(np.sqrt(np.mean((y - x @ want) ** 2))), abs=1e-12)
+
+
+@pytest.mark.parametrize("dependent", ["zero", "copy", "flags"])
+def test_dependent_columns_keep_the_nonnegative_optimum(dependent):
+    """A window whose screen dropped every step of a flag (a zero column),
+    two flags that coincide, or flags that sum to the intercept: the
+    compiled fit's fitted values are the non-negative optimum's, which is
+    unique even where its coefficients are not."""
+    rng = np.random.default_rng(len(dependent))
+    for _ in range(100):
+        n = int(rng.integers(16, 200))
+        tok = rng.integers(1, 9, n).astype(float)
+        flag = (rng.random(n) < 0.5).astype(float)
+        other = {"zero": np.zeros(n), "copy": flag, "flags": 1.0 - flag}[dependent]
+        # The dependent column second, so most subsets after it hold it.
+        x = np.column_stack([np.ones(n), other, tok, flag])
+        y = x[:, [0, 2, 3]] @ rng.uniform(-0.002, 0.02, 3) + 1e-4 * rng.normal(size=n)
+        got, want = kernels.nnls(x, y), nnls_numpy(x, y)
+        assert (got >= 0).all()
+        np.testing.assert_allclose(x @ got, x @ want, rtol=1e-7, atol=1e-10)
 
 
 def reference_count_costs(m: StepCostModel) -> np.ndarray:

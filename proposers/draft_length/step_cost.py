@@ -9,8 +9,7 @@ import numpy as np
 
 from vllm_plugins.options import choice, flag, integer, number
 from vllm_plugins.proposers.draft_length.step_cost_kernels import (NEW_SHAPE, TREE, VERIFY,
-                                                                   count_costs, design, nnls,
-                                                                   refit, screen, spread)
+                                                                   count_costs, refit)
 
 # Options of the goodput policy's step-time model.
 COST_OPTIONS = (
@@ -264,8 +263,6 @@ class StepCostModel:
             float(self._MIN_MODE_STEPS), got)
         if status == 0:
             return  # one token count: the slope is not identifiable yet
-        if status == 2:
-            codes, dropped, rmse, slope_se = self._refit_numpy(n, got)
         self._outliers, self._rmse, self.slope_se = int(dropped), float(rmse), float(slope_se)
         a, b, c, d, verify, shape, tree = got.tolist()
         self._coef = (a, b, c, d)
@@ -285,74 +282,6 @@ class StepCostModel:
                                 self.tree_token_s if self.tree_per_token else self.tree_step_s))
             self.by_count = count_costs(self._x, self._y, n, charged, self.count_prior)
         self._warm = True
-
-    def _refit_numpy(self, n: int, got: np.ndarray):
-        """``refit`` where a column subset is exactly singular: the same
-        steps with numpy's fit (``_nnls``); returns what ``refit`` does."""
-        x, y, codes = design(self._x, self._y, n, self.use_batch, self.use_context,
-                             self._used, self._last, float(self._MIN_MODE_STEPS))
-        coef = self._nnls(x, y)
-        keep, dropped = screen(x, y, coef)
-        if 0 < dropped and n - dropped >= max(3, x.shape[1] + 1):
-            x, y = x[keep], y[keep]
-            coef = self._nnls(x, y)
-        rmse, slope_se = spread(x, y, coef)
-        got[:] = 0.0
-        got[codes] = coef
-        return codes, dropped, rmse, slope_se
-
-    @staticmethod
-    def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """Least squares with all coefficients >= 0, exact: the non-negative
-        optimum is the plain fit on its own support, so the best of the
-        plain fits on every subset of the <= 7 columns that come out
-        non-negative is it. Every subset is solved on the p x p normal
-        equations of max-scaled columns (SSE = y.y - c.h), compiled
-        (``step_cost_kernels.nnls``); where a subset's matrix is exactly
-        singular, by numpy (``_nnls_numpy``), whose least-squares answer
-        for it the compiled loop does not give."""
-        coef, ok = nnls(x, y)
-        return coef if ok else StepCostModel._nnls_numpy(x, y)
-
-    @staticmethod
-    def _nnls_numpy(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-        """``_nnls`` batched in numpy: one batched p x p solve, every
-        subset's ``lstsq`` where one is singular."""
-        scale = np.maximum(np.abs(x).max(0), 1e-12)
-        xs = x / scale
-        g, h = xs.T @ xs, xs.T @ y
-        masks = _subset_masks(x.shape[1])                 # [S, p]
-        pair = masks[:, :, None] & masks[:, None, :]
-        eye = np.eye(len(h), dtype=bool)[None] & ~masks[:, None, :]
-        try:
-            c = np.linalg.solve(np.where(pair, g, 0.0) + eye,
-                                np.where(masks, h, 0.0)[..., None])[..., 0]
-        except np.linalg.LinAlgError:   # a rank-deficient subset
-            c = np.stack([_subset_lstsq(xs, y, m) for m in masks])
-        gain = np.where((c >= 0).all(1), c @ h, -np.inf)
-        best = int(np.argmax(gain))
-        if not gain[best] > 0:          # no column helps: all zero
-            return np.zeros(len(h))
-        return c[best] / scale
-
-
-def _subset_masks(p: int) -> np.ndarray:
-    """Every non-empty subset of p columns, as rows of a bool mask, in
-    binary order (the larger subsets of a tie come later)."""
-    masks = _SUBSET_MASKS.get(p)
-    if masks is None:
-        bits = np.arange(1, 2 ** p)[:, None] >> np.arange(p)[None, :]
-        masks = _SUBSET_MASKS[p] = (bits & 1).astype(bool)
-    return masks
-
-
-_SUBSET_MASKS: dict[int, np.ndarray] = {}
-
-
-def _subset_lstsq(xs: np.ndarray, y: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    c = np.zeros(len(mask))
-    c[mask] = np.linalg.lstsq(xs[:, mask], y, rcond=None)[0]
-    return c
 
 
 _NO_COUNTS = np.zeros(0)

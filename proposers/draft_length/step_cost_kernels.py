@@ -6,9 +6,11 @@ column subset. As numpy that was some sixty array calls a refit whose
 dispatch, not arithmetic, was a third of the draft-length controller's
 host time. These loops do the same sums; the subset solves are Gaussian
 elimination with partial pivoting (numba has no LAPACK without SciPy), so
-a coefficient may differ from LAPACK's in its last bits. Where a subset's
-matrix is exactly singular the caller falls back to the numpy fit, whose
-least-squares answer for such a subset these loops do not reproduce.
+a coefficient may differ from LAPACK's in its last bits. A subset whose
+matrix is exactly singular is passed over (``nnls`` says why that loses
+nothing), so a window that turns singular (the screen dropped every step
+of a flag, say, or two flags coincide) still refits in this one call: no
+subset needs a least-squares solve of its own.
 """
 
 from __future__ import annotations
@@ -152,11 +154,17 @@ def _normal(x, y, scale):
 
 @cached_njit
 def nnls(x, y):
-    """(coefficients, ok): least squares with all coefficients >= 0, the
-    best of the plain fits on every column subset that come out
-    non-negative (``StepCostModel._nnls`` says why that is exact), on
-    max-scaled columns; subsets in binary order, the first of equal gains
-    kept. ``ok`` False: a subset's matrix is exactly singular."""
+    """Least squares with all coefficients >= 0, exact: the non-negative
+    optimum is the plain fit on its own support, so the best of the plain
+    fits on every column subset that come out non-negative is it. Every
+    subset is solved on the p x p normal equations of max-scaled columns
+    (the explained sum of squares is c.h); subsets in binary order, the
+    first of equal gains kept. A subset whose columns are linearly
+    dependent (an exactly zero pivot) is passed over: any non-negative fit
+    on it is, by Caratheodory's theorem, a non-negative fit with the same
+    fitted values on an independent subset of it, which comes earlier in
+    binary order. So the fitted values are the optimum's; only which of
+    several equal coefficient vectors is kept is a choice."""
     n, p = x.shape
     scale = np.empty(p)
     for k in range(p):
@@ -181,7 +189,7 @@ def nnls(x, y):
             for s in range(q):
                 a[r, s] = g[idx[r], idx[s]]
         if not _solve(a, b):
-            return best, False
+            continue
         feasible = True
         gain = 0.0
         for r in range(q):
@@ -194,10 +202,10 @@ def nnls(x, y):
             for r in range(q):
                 best[idx[r]] = b[r]
     if not best_gain > 0:
-        return np.zeros(p), True
+        return np.zeros(p)
     for k in range(p):
         best[k] /= scale[k]
-    return best, True
+    return best
 
 
 @cached_njit
@@ -261,22 +269,17 @@ def refit(window, seconds, n, use_batch, use_context, used, last, min_mode, out)
     fit again without the outliers where enough rows are left, ``spread``.
     ``out`` gets, per column code, the coefficient (0 where not fitted).
     Returns (status, fitted codes, rows dropped, rmse, slope standard
-    error); status 0: the token count has not varied, 1: fitted, 2: a
-    subset was exactly singular (the caller fits in numpy)."""
+    error); status 0: the token count has not varied, 1: fitted."""
     x, y, codes = design(window, seconds, n, use_batch, use_context, used, last, min_mode)
     p = len(codes)
     if p == 0:
         return 0, codes, 0, np.nan, np.inf
-    coef, ok = nnls(x, y)
-    if not ok:
-        return 2, codes, 0, np.nan, np.inf
+    coef = nnls(x, y)
     keep, dropped = screen(x, y, coef)
     if 0 < dropped and n - dropped >= max(3, p + 1):
         x = x[keep]
         y = y[keep]
-        coef, ok = nnls(x, y)
-        if not ok:
-            return 2, codes, 0, np.nan, np.inf
+        coef = nnls(x, y)
     rmse, slope_se = spread(x, y, coef)
     out[:] = 0.0
     for k in range(p):
