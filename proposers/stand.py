@@ -63,6 +63,7 @@ import numpy as np
 from vllm_plugins.options import Option, flag, integer, unit_float
 from vllm_plugins.proposers import stand_debug
 from vllm_plugins.proposers.base import PluginProposer, verification_depends_on_token, trim
+from vllm_plugins.proposers.draft_length import draft_length_options
 from vllm_plugins.proposers.stand_draws import KindCalibration, draft_distribution
 from vllm_plugins.proposers.stand_store import (STORE_OPTIONS, NgramStore, greedy_chain,
                                                 warm_up)
@@ -79,7 +80,9 @@ PREFIX_CAUSAL_POLICIES = frozenset({"fixed", "confidence", "goodput"})
 
 class StandProposer(PluginProposer):
     OPTIONS = (
-        *PluginProposer.OPTIONS,
+        # goodput: where verified tokens cost (a CPU at batch 8), fixed
+        # drafts verify more than they return.
+        *draft_length_options("goodput"),
         integer("topk", 8, 1, 64),
         integer("max_order", 3, 1, 8),
         unit_float("min_path_prob", 0.1),

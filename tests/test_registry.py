@@ -19,7 +19,8 @@ def test_defaults_fill_in():
     # goodput where it was measured to beat fixed drafts (docs/benchmarks.md)
     assert opts["draft_length"] == "goodput"
     assert translate({"method": "ngram_adaptive"})[1]["draft_length"] == "goodput"
-    assert translate({"method": "stand"})[1]["draft_length"] == "fixed"
+    assert translate({"method": "stand"})[1]["draft_length"] == "goodput"
+    assert translate({"method": "swift"})[1]["draft_length"] == "fixed"
     assert translate({"method": "token_recycling", "draft_length": "fixed"}
                      )[1]["draft_length"] == "fixed"
 
