@@ -25,11 +25,12 @@ METHODS = {
     "none": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5,
               "prompt_lookup_max": 5, "prompt_lookup_min": 2},
-    # Both plugin methods with their own defaults (draft_length: goodput
-    # for token_recycling, fixed for stand).
-    "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 6},
-    "stand": {"method": "stand", "num_speculative_tokens": 6},
-    # Not run unless asked for (--methods ...).
+    # Both plugin methods' chains with fixed drafts: what each drafts, not
+    # what a draft-length policy keeps on this host.
+    "token_recycling": {"method": "token_recycling", "num_speculative_tokens": 6,
+                        "draft_length": "fixed"},
+    "stand": {"method": "stand", "num_speculative_tokens": 6, "draft_length": "fixed"},
+    # Each under goodput, its default; not run unless asked for (--methods ...).
     "token_recycling+goodput": {"method": "token_recycling", "num_speculative_tokens": 6,
                                 "draft_length": "goodput"},
     "stand+goodput": {"method": "stand", "num_speculative_tokens": 6,
