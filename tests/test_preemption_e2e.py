@@ -29,16 +29,17 @@ PROMPTS = [
 # name -> (model, spec). Each method runs on a tiny model whose output it
 # drafts for: with untied weights ngram_adaptive and del drafted nothing
 # here; with tied small ones (the model repeats its last token in runs)
-# token_recycling drafted nothing. Token Recycling drafts a fixed length with
-# no confidence floor: whether its default goodput length drafts on a random
-# model depends on the step times it measures. The test asserts that every
+# token_recycling drafted nothing. Token Recycling and STAND draft a fixed
+# length (Token Recycling with no confidence floor): whether their default
+# goodput length drafts on a random model depends on the step times it measures. The test asserts that every
 # engine drafts, so none can pass without showing anything.
 SPECS = {
     "token_recycling": ("untied", {"method": "token_recycling",
                                    "num_speculative_tokens": 4,
                                    "draft_length": "fixed", "min_confidence": 0.0}),
     "ngram_adaptive": ("tied", {"method": "ngram_adaptive", "num_speculative_tokens": 4}),
-    "stand": ("tied", {"method": "stand", "num_speculative_tokens": 4}),
+    "stand": ("tied", {"method": "stand", "num_speculative_tokens": 4,
+                       "draft_length": "fixed"}),
     # stop_below 0: a random model is rarely sure; every forward drafts.
     "swift": ("tied", {"method": "swift", "num_speculative_tokens": 3, "stop_below": 0.0}),
     "del": ("tied", {"method": "del", "num_speculative_tokens": 3, "stop_below": 0.0}),

@@ -47,7 +47,9 @@ SPECS = {
                                 "draft_length_options": {"rest": False,
                                                          "warmup_explore": 1.0}},
     "ngram_adaptive": {"method": "ngram_adaptive", "num_speculative_tokens": 4},
-    "stand": {"method": "stand", "num_speculative_tokens": 4},
+    # Fixed drafts: under its default goodput, whether it drafts at all on
+    # a random model depends on the step times it measures.
+    "stand": {"method": "stand", "num_speculative_tokens": 4, "draft_length": "fixed"},
     # stop_below 0: a random model is rarely sure; every forward drafts.
     "swift": {"method": "swift", "num_speculative_tokens": 3, "stop_below": 0.0},
     # min_value 0: DEL drafts at every step, choosing among three exits by
