@@ -353,9 +353,12 @@ def test_stand_tree_on_default_model_is_exact_and_beats_its_chain(model_path, sm
     from vllm_plugins.bench.engines import engine_stats
 
     results = {"plain": (smol_plain, None)}
-    for name, spec in (("chain", {"method": "stand", "num_speculative_tokens": NODES}),
+    # Fixed drafts: every node verified, so MAT compares what each shape
+    # drafts (under goodput, STAND's default, it follows the step times).
+    for name, spec in (("chain", {"method": "stand", "num_speculative_tokens": NODES,
+                                  "draft_length": "fixed"}),
                        ("tree", {"method": "stand", "num_speculative_tokens": NODES,
-                                 "draft_shape": "tree"})):
+                                 "draft_shape": "tree", "draft_length": "fixed"})):
         llm = smol_engine(model_path, spec)
         try:
             results[name] = (smol_run(llm), engine_stats(llm) if spec else None)

@@ -36,6 +36,10 @@ BLOCK = 4 * LANES
 _FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
 _LOG2E = np.float32(1.4426950408889634)
 _FLOOR = np.float32(-125.0)   # 2**-125: the smallest term summed
+# Terms summed in float32 before their sum joins a float64 total: a float32
+# sum of a whole row drifts by its length times float32's epsilon where its
+# terms are alike (a row of tied logits), 1e-5 of a log-probability at 49152.
+SUM_CHUNK = 256
 # 2**r = sum (r ln 2)**j / j!, j = 0..7: ln(2)**j / j!, highest first.
 _C7, _C6, _C5, _C4 = (np.float32(1.525273380405984e-05), np.float32(1.5403530393381606e-04),
                       np.float32(1.3333558146428443e-03), np.float32(9.618129107628477e-03))
@@ -143,22 +147,27 @@ def _log_normaliser(row, m):
     """``log(sum(exp(row - m)))`` for a row whose maximum is ``m`` (finite),
     or NaN where the row holds a NaN. ``x - m`` below -87 (``exp`` under
     2**-125) counts as 2**-125: a masked logit's share of the sum is nothing
-    in float32. The floor is written so that a NaN passes it, and the sum."""
-    total = np.float32(0.0)
-    for i in range(row.shape[0]):
-        y = (row[i] - m) * _LOG2E
-        y = _FLOOR if _FLOOR > y else y
-        n = np.rint(y)
-        r = y - n
-        p = _C7 * r + _C6
-        p = p * r + _C5
-        p = p * r + _C4
-        p = p * r + _C3
-        p = p * r + _C2
-        p = p * r + _C1
-        p = p * r + np.float32(1.0)
-        total += p * _f32_from_bits(np.int32((n + np.float32(127.0)) * np.float32(8388608.0)))
-    return np.float32(np.log(np.float64(total)))
+    in float32. The floor is written so that a NaN passes it, and the sum.
+    Each ``SUM_CHUNK`` terms are summed in float32, their sum in float64."""
+    total = 0.0
+    size = row.shape[0]
+    for start in range(0, size, SUM_CHUNK):
+        part = np.float32(0.0)
+        for i in range(start, min(start + SUM_CHUNK, size)):
+            y = (row[i] - m) * _LOG2E
+            y = _FLOOR if _FLOOR > y else y
+            n = np.rint(y)
+            r = y - n
+            p = _C7 * r + _C6
+            p = p * r + _C5
+            p = p * r + _C4
+            p = p * r + _C3
+            p = p * r + _C2
+            p = p * r + _C1
+            p = p * r + np.float32(1.0)
+            part += p * _f32_from_bits(np.int32((n + np.float32(127.0)) * np.float32(8388608.0)))
+        total += np.float64(part)
+    return np.float32(np.log(total))
 
 
 @cached_njit
