@@ -46,7 +46,7 @@ def test_cost_model_with_batch_term_outliers_and_nonnegativity():
     assert co["per_token_s"] >= 0 and co["intercept_s"] > 0.02, co
 
 
-def _nnls_by_subsets(x, y):
+def nnls_by_subsets(x, y):
     """Reference: the plain least-squares fit of every column subset, the
     best one whose coefficients are all non-negative."""
     best, best_sse = np.zeros(x.shape[1]), float(y @ y)
@@ -68,7 +68,7 @@ def test_cost_model_nonnegative_fit_is_the_best_nonnegative_subset_fit():
         x = np.column_stack([np.ones(n)] + [rng.random(n) * rng.integers(1, 100)
                                             for _ in range(p - 1)])
         y = x @ rng.normal(size=p) * 0.01 + 0.01 * rng.normal(size=n)
-        got, want = nnls(x, y), _nnls_by_subsets(x, y)
+        got, want = nnls(x, y), nnls_by_subsets(x, y)
         assert (got >= 0).all()
         np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-12)
         clipped += int((want == 0).any())

@@ -1,5 +1,6 @@
 """The step-time model's compiled refit against the numpy it replaced
-(written out here as the reference): same columns, same outliers, the same
+(written out here as the reference, its non-negative fit
+``nnls_by_subsets``): same columns, same outliers, the same
 coefficients, spread and slope error up to the last bits of a solve; and
 where a column subset is exactly singular, the same fitted values."""
 
@@ -12,32 +13,9 @@ from vllm_plugins.proposers.draft_length import step_cost_kernels as kernels
 from vllm_plugins.proposers.draft_length.step_cost import StepCostModel
 from vllm_plugins.proposers.draft_length.step_cost_kernels import independent as _independent
 
+from tests.test_draft_length_cost import nnls_by_subsets
+
 TERMS = ("verify_step_s", "new_shape_s", "tree_step_s")
-
-
-def nnls_numpy(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """The non-negative fit in numpy: every column subset's plain fit on
-    max-scaled columns in one batched solve (each subset's ``lstsq``, the
-    minimum-norm answer, where one is singular), the best non-negative."""
-    scale = np.maximum(np.abs(x).max(0), 1e-12)
-    xs = x / scale
-    g, h = xs.T @ xs, xs.T @ y
-    p = x.shape[1]
-    masks = ((np.arange(1, 2 ** p)[:, None] >> np.arange(p)[None, :]) & 1).astype(bool)
-    pair = masks[:, :, None] & masks[:, None, :]
-    eye = np.eye(p, dtype=bool)[None] & ~masks[:, None, :]
-    try:
-        c = np.linalg.solve(np.where(pair, g, 0.0) + eye,
-                            np.where(masks, h, 0.0)[..., None])[..., 0]
-    except np.linalg.LinAlgError:
-        c = np.zeros(masks.shape)
-        for i, m in enumerate(masks):
-            c[i, m] = np.linalg.lstsq(xs[:, m], y, rcond=None)[0]
-    gain = np.where((c >= 0).all(1), c @ h, -np.inf)
-    best = int(np.argmax(gain))
-    if not gain[best] > 0:
-        return np.zeros(p)
-    return c[best] / scale
 
 
 def reference_refit(m: StepCostModel):
@@ -69,13 +47,13 @@ def reference_refit(m: StepCostModel):
         else:
             y -= marked * terms[name]
     x = np.stack(cols, 1)
-    coef = nnls_numpy(x, y)
+    coef = nnls_by_subsets(x, y)
     resid = y - x @ coef
     mad = np.median(np.abs(resid - np.median(resid)))
     keep = np.abs(resid) <= 5.0 * 1.4826 * mad + 1e-12 * max(float(y.mean()), 1e-12)
     outliers = int(n - keep.sum())
     if 0 < outliers and keep.sum() >= max(3, x.shape[1] + 1):
-        coef = nnls_numpy(x[keep], y[keep])
+        coef = nnls_by_subsets(x[keep], y[keep])
         resid = y[keep] - x[keep] @ coef
     rmse = float(np.sqrt(np.mean(resid ** 2)))
     rows = keep if 0 < outliers and keep.sum() >= x.shape[1] + 1 else np.ones(n, bool)
@@ -173,7 +151,7 @@ def test_singular_subsets_are_passed_over_with_the_optimum_kept():
     status, _, _, rmse, _ = kernels.refit(m._x, m._y, m._len, False, False, used, last, 4.0,
                                           np.zeros(7))
     assert status == 1
-    want = nnls_numpy(x, y)
+    want = nnls_by_subsets(x, y)
     np.testing.assert_allclose(x @ kernels.nnls(x, y), x @ want, rtol=1e-9, atol=1e-12)
     assert rmse == pytest.approx(float(np.sqrt(np.mean((y - x @ want) ** 2))), abs=1e-12)
 
@@ -193,7 +171,7 @@ def test_dependent_columns_keep_the_nonnegative_optimum(dependent):
         # The dependent column second, so most subsets after it hold it.
         x = np.column_stack([np.ones(n), other, tok, flag])
         y = x[:, [0, 2, 3]] @ rng.uniform(-0.002, 0.02, 3) + 1e-4 * rng.normal(size=n)
-        got, want = kernels.nnls(x, y), nnls_numpy(x, y)
+        got, want = kernels.nnls(x, y), nnls_by_subsets(x, y)
         assert (got >= 0).all()
         np.testing.assert_allclose(x @ got, x @ want, rtol=1e-7, atol=1e-10)
 

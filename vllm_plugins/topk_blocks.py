@@ -38,8 +38,8 @@ _FAST = {"reassoc", "contract", "arcp", "nsz", "afn"}
 _LOG2E = np.float32(1.4426950408889634)
 _FLOOR = np.float32(-125.0)   # 2**-125: the smallest term summed
 # Terms summed in float32 before their sum joins a float64 total: a float32
-# sum of a whole row drifts by its length times float32's epsilon where its
-# terms are alike (a row of tied logits), 1e-5 of a log-probability at 49152.
+# sum of a whole row drifts where its terms are alike (a row of tied
+# logits), since their rounding errors add up instead of cancelling.
 SUM_CHUNK = 256
 # 2**r = sum (r ln 2)**j / j!, j = 0..7: ln(2)**j / j!, highest first.
 _C7, _C6, _C5, _C4 = (np.float32(1.525273380405984e-05), np.float32(1.5403530393381606e-04),
